@@ -1,0 +1,46 @@
+"""kvcache: KV-cache operators for PyTorch.
+
+Importing the package loads the compiled operators (``torch.ops.kvcache.*``)
+and registers their fake kernels for ``torch.compile`` and ``torch.export``.
+"""
+
+from . import _library
+
+_library.load()
+
+from . import _fake  # noqa: E402,F401  (registers the fake kernels)
+from ._library import include_path, library_path  # noqa: E402
+from .cache import (  # noqa: E402
+    KVLayerCache,
+    init_decoder_kv_caches,
+    init_decoder_kv_caches_from_config,
+    init_kv_layer_cache,
+    update_kv_layer_cache,
+)
+from .config import TransformerConfig  # noqa: E402
+
+
+def build_info() -> dict:
+    """Returns how the op library was built.
+
+    Returns:
+        dict with ``with_cuda`` (bool), ``torch_version``, ``cuda_version``
+        and ``cuda_archs``.
+    """
+    from . import _C
+
+    return _C.build_info()
+
+
+__all__ = [
+    "KVLayerCache",
+    "TransformerConfig",
+    "build_info",
+    "include_path",
+    "init_decoder_kv_caches",
+    "init_decoder_kv_caches_from_config",
+    "init_kv_layer_cache",
+    "library_path",
+    "update_kv_layer_cache",
+]
+__version__ = "0.1.0"
