@@ -26,7 +26,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> init_layer_cache(
   const auto scalar_type =
       dtype.value_or(c10::typeMetaToScalarType(at::get_default_dtype()));
   TORCH_CHECK_TYPE(!c10::isQIntType(scalar_type),
-                   "dtype must not be a quantized type, got ", scalar_type);
+                   "dtype must not be a quantized type, got torch.",
+                   std::get<0>(c10::getDtypeNames(scalar_type)));
   const auto opts =
       at::TensorOptions().dtype(scalar_type).device(device.value_or(at::kCPU));
   const std::vector<c10::SymInt> shape{batch_size, num_kv_heads, max_len,

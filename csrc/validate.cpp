@@ -4,9 +4,16 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <string>
+
 namespace kvcache {
 namespace detail {
 namespace {
+
+// Python spelling of a dtype ("torch.float32"), as users write it.
+std::string py_dtype(at::ScalarType t) {
+  return "torch." + std::string(std::get<0>(c10::getDtypeNames(t)));
+}
 
 void check_dense(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.defined(), name, " must be a defined tensor");
@@ -15,12 +22,21 @@ void check_dense(const at::Tensor& t, const char* name) {
                     t.layout());
   TORCH_CHECK_TYPE(!t.is_quantized(), name,
                    " must not be a quantized tensor, got dtype ",
-                   t.scalar_type());
+                   py_dtype(t.scalar_type()));
 }
 
 void check_rank4(const at::Tensor& t, const char* name, const char* dims) {
   TORCH_CHECK_VALUE(t.dim() == 4, name, " must be a 4-D tensor of shape ",
                     dims, ", got ", t.dim(), "-D shape ", t.sizes());
+}
+
+bool overlaps(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) {
+    return false;
+  }
+  const auto status = at::get_overlap_status(a, b);
+  return status == at::MemOverlapStatus::Full ||
+         status == at::MemOverlapStatus::Partial;
 }
 
 }  // namespace
@@ -58,13 +74,16 @@ UpdateGeometry check_update_tensors(const at::Tensor& keys,
   // cost an extra pass over the data.
   TORCH_CHECK_TYPE(values.scalar_type() == keys.scalar_type(),
                    "values must have the same dtype as keys (",
-                   keys.scalar_type(), "), got ", values.scalar_type());
+                   py_dtype(keys.scalar_type()), "), got ",
+                   py_dtype(values.scalar_type()));
   TORCH_CHECK_TYPE(keys_new.scalar_type() == keys.scalar_type(),
-                   "keys_new must have the cache dtype ", keys.scalar_type(),
-                   " (no implicit casts), got ", keys_new.scalar_type());
+                   "keys_new must have the cache dtype ",
+                   py_dtype(keys.scalar_type()), " (no implicit casts), got ",
+                   py_dtype(keys_new.scalar_type()));
   TORCH_CHECK_TYPE(values_new.scalar_type() == keys.scalar_type(),
-                   "values_new must have the cache dtype ", keys.scalar_type(),
-                   " (no implicit casts), got ", values_new.scalar_type());
+                   "values_new must have the cache dtype ",
+                   py_dtype(keys.scalar_type()), " (no implicit casts), got ",
+                   py_dtype(values_new.scalar_type()));
 
   const auto dev = keys.device();
   TORCH_CHECK_VALUE(values.device() == dev,
@@ -86,20 +105,16 @@ UpdateGeometry check_update_tensors(const at::Tensor& keys,
   TORCH_CHECK_VALUE(at::has_internal_overlap(values) != at::MemOverlap::Yes,
                     "values must not have internally overlapping memory (for "
                     "example an expand()ed tensor)");
-  if (keys.numel() > 0) {
-    TORCH_CHECK_VALUE(
-        at::get_overlap_status(keys, values) == at::MemOverlapStatus::No,
-        "keys and values must not share memory: give each its own buffer");
-  }
-  if (keys_new.numel() > 0) {
-    for (const at::Tensor* dst : {&keys, &values}) {
-      TORCH_CHECK_VALUE(
-          at::get_overlap_status(*dst, keys_new) == at::MemOverlapStatus::No &&
-              at::get_overlap_status(*dst, values_new) ==
-                  at::MemOverlapStatus::No,
-          "keys_new and values_new must not share memory with the cache "
-          "buffers");
-    }
+  // Full/Partial are the overlaps that can be proven cheaply (same or
+  // intersecting dense ranges). Interleaved views of one buffer, such as a
+  // fused (..., 2, head_dim) KV layout, are "TooHard" and stay allowed.
+  TORCH_CHECK_VALUE(!overlaps(keys, values),
+                    "keys and values must not share memory: give each its "
+                    "own buffer");
+  for (const at::Tensor* dst : {&keys, &values}) {
+    TORCH_CHECK_VALUE(!overlaps(*dst, keys_new) && !overlaps(*dst, values_new),
+                      "keys_new and values_new must not share memory with "
+                      "the cache buffers");
   }
   return g;
 }
@@ -117,7 +132,7 @@ void check_positions_meta(const at::Tensor& positions, const at::Tensor& keys,
   TORCH_CHECK_TYPE(positions.scalar_type() == at::kInt ||
                        positions.scalar_type() == at::kLong,
                    "positions must be an int32 or int64 tensor, got dtype ",
-                   positions.scalar_type());
+                   py_dtype(positions.scalar_type()));
   TORCH_CHECK_VALUE(positions.layout() == at::kStrided,
                     "positions must be a strided (dense) tensor, got layout ",
                     positions.layout());

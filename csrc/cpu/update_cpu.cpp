@@ -140,3 +140,20 @@ TORCH_LIBRARY_IMPL(kvcache, CPU, m) {
   m.impl("update_", &kvcache::update_cpu);
   m.impl("update_at_", &kvcache::update_at_cpu);
 }
+
+// Sparse and quantized tensors are not supported; registering the same
+// kernels for their dispatch keys makes validation reject them with a
+// ValueError/TypeError naming the argument, instead of the dispatcher's
+// generic "could not run ... with arguments from the 'SparseCPU' backend".
+TORCH_LIBRARY_IMPL(kvcache, SparseCPU, m) {
+  m.impl("update_", &kvcache::update_cpu);
+  m.impl("update_at_", &kvcache::update_at_cpu);
+}
+TORCH_LIBRARY_IMPL(kvcache, SparseCsrCPU, m) {
+  m.impl("update_", &kvcache::update_cpu);
+  m.impl("update_at_", &kvcache::update_at_cpu);
+}
+TORCH_LIBRARY_IMPL(kvcache, QuantizedCPU, m) {
+  m.impl("update_", &kvcache::update_cpu);
+  m.impl("update_at_", &kvcache::update_at_cpu);
+}

@@ -1,0 +1,73 @@
+"""Shared helpers: an independent plain-PyTorch reference and data makers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcache  # noqa: F401  (loads the operators)
+
+ALL_DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+]
+
+
+def random_tensor(shape, dtype, device="cpu", seed=0):
+    """Random data of any dtype (distinct values, so misplaced writes show)."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        t = torch.randint(0, 2, shape, generator=g).bool()
+    elif dtype.is_complex:
+        t = torch.complex(torch.randn(shape, generator=g), torch.randn(shape, generator=g)).to(dtype)
+    elif dtype.is_floating_point:
+        t = (torch.randn(shape, generator=g) * 4).to(dtype)
+    else:
+        t = torch.randint(-100 if dtype != torch.uint8 else 0, 100, shape, generator=g).to(dtype)
+    return t.to(device)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """Raw bytes of a tensor: compares every dtype (NaNs, float8) exactly."""
+    t = t.contiguous()
+    return t.view(torch.uint8) if t.dim() > 0 else t.reshape(1).view(torch.uint8)
+
+
+def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert a.dtype == b.dtype, (a.dtype, b.dtype)
+    assert torch.equal(as_bytes(a), as_bytes(b)), "tensors differ"
+
+
+def reference_update(keys, values, keys_new, values_new, starts):
+    """Plain slicing on copies: the expected cache after an update.
+
+    Args:
+        starts: an int (every row) or a sequence of per-row ints.
+    """
+    keys, values = keys.clone(), values.clone()
+    chunk = keys_new.shape[2]
+    batch = keys.shape[0]
+    if isinstance(starts, int):
+        starts = [starts] * batch
+    for b, s in enumerate(starts):
+        keys[b, :, s : s + chunk] = keys_new[b]
+        values[b, :, s : s + chunk] = values_new[b]
+    return keys, values
+
+
+@pytest.fixture
+def cpu():
+    return torch.device("cpu")

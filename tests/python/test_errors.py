@@ -1,0 +1,196 @@
+"""Every invalid argument raises ValueError/TypeError naming it, and nothing is written."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import kvcache
+
+B, H, T, D = 2, 3, 8, 4
+
+
+@pytest.fixture
+def cache():
+    c = kvcache.init_kv_layer_cache(B, H, D, T, torch.float32)
+    c.keys.copy_(torch.randn(B, H, T, D))
+    c.values.copy_(torch.randn(B, H, T, D))
+    return c
+
+
+def new(chunk=2, dtype=torch.float32, b=B, h=H, d=D):
+    return torch.randn(b, h, chunk, d).to(dtype), torch.randn(b, h, chunk, d).to(dtype)
+
+
+def expect_no_write(cache, exc, match, *args, op="api"):
+    before_k, before_v = cache.keys.clone(), cache.values.clone()
+    with pytest.raises(exc, match=match):
+        if op == "api":
+            kvcache.update_kv_layer_cache(cache, *args)
+        elif op == "update_":
+            torch.ops.kvcache.update_(cache.keys, cache.values, *args)
+        else:
+            torch.ops.kvcache.update_at_(cache.keys, cache.values, *args)
+    assert torch.equal(cache.keys, before_k), "keys were written despite the error"
+    assert torch.equal(cache.values, before_v), "values were written despite the error"
+
+
+@pytest.mark.parametrize("op", ["api", "update_"])
+def test_overflow_message(cache, op):
+    kn, vn = new(3)
+    expect_no_write(cache, ValueError, r"^KV cache overflow: end=9 exceeds max_len=8$", kn, vn, 6, op=op)
+
+
+@pytest.mark.parametrize("op", ["api", "update_"])
+def test_negative_start(cache, op):
+    kn, vn = new(1)
+    expect_no_write(cache, ValueError, "start must be >= 0, got -1", kn, vn, -1, op=op)
+
+
+@pytest.mark.parametrize(
+    "kshape,match",
+    [
+        ((B, H, 2), "keys_new must be a 4-D tensor"),
+        ((B + 1, H, 2, D), r"keys_new must have shape \(batch=2, num_kv_heads=3, chunk, head_dim=4\)"),
+        ((B, H + 1, 2, D), "keys_new must have shape"),
+        ((B, H, 2, D + 1), "keys_new must have shape"),
+    ],
+)
+def test_keys_new_shape(cache, kshape, match):
+    kn = torch.randn(kshape)
+    vn = torch.randn(B, H, 2, D)
+    expect_no_write(cache, ValueError, match, kn, vn, 0)
+
+
+def test_values_new_shape_mismatch(cache):
+    kn = torch.randn(B, H, 2, D)
+    vn = torch.randn(B, H, 3, D)
+    expect_no_write(cache, ValueError, "values_new must have the same shape as keys_new", kn, vn, 0)
+
+
+def test_cache_rank_and_shape(cache):
+    kn, vn = new(1)
+    with pytest.raises(ValueError, match="keys must be a 4-D tensor"):
+        torch.ops.kvcache.update_(torch.zeros(B, H, T), cache.values, kn, vn, 0)
+    before = cache.values.clone()
+    with pytest.raises(ValueError, match="values must have the same shape as keys"):
+        torch.ops.kvcache.update_(cache.keys, torch.zeros(B, H, T + 1, D), kn, vn, 0)
+    with pytest.raises(ValueError, match="values must have the same shape as keys"):
+        torch.ops.kvcache.update_(torch.zeros(B, H, T + 1, D), cache.values, kn, vn, 0)
+    assert torch.equal(cache.values, before)
+
+
+@pytest.mark.parametrize("which", ["keys_new", "values_new"])
+def test_dtype_mismatch_is_type_error(cache, which):
+    kn, vn = new(1)
+    if which == "keys_new":
+        kn = kn.double()
+    else:
+        vn = vn.half()
+    expect_no_write(cache, TypeError, rf"{which} must have the cache dtype torch.float32 \(no implicit casts\), got torch.float(64|16)", kn, vn, 0)
+    expect_no_write(cache, TypeError, f"{which} must have the cache dtype", kn, vn, torch.tensor(0))
+
+
+def test_cache_dtype_mismatch_between_keys_and_values(cache):
+    kn, vn = new(1)
+    with pytest.raises(TypeError, match="values must have the same dtype as keys"):
+        torch.ops.kvcache.update_(cache.keys, cache.values.double(), kn, vn, 0)
+
+
+def test_device_mismatch_meta(cache):
+    kn, vn = new(1)
+    kn = kn.to("meta")
+    expect_no_write(cache, ValueError, r"keys_new must be on the cache's device \(cpu\), got meta", kn, vn, 0)
+
+
+def test_positions_dtype(cache):
+    kn, vn = new(1)
+    for bad in (torch.tensor(1.0), torch.tensor(True), torch.tensor(1, dtype=torch.int16)):
+        expect_no_write(cache, TypeError, "positions must be an int32 or int64 tensor", kn, vn, bad)
+
+
+@pytest.mark.parametrize("shape", [(B + 1,), (1,), (B, 1), (1, B)])
+def test_positions_shape(cache, shape):
+    kn, vn = new(1)
+    pos = torch.zeros(shape, dtype=torch.int64)
+    expect_no_write(cache, ValueError, r"positions must be a 0-D tensor .* shape \(batch=2,\)", kn, vn, pos)
+
+
+def test_positions_device(cache):
+    kn, vn = new(1)
+    pos = torch.zeros((), dtype=torch.int64, device="meta")
+    expect_no_write(cache, ValueError, r"positions must be on the cache's device \(cpu\)", kn, vn, pos)
+
+
+@pytest.mark.parametrize("op", ["api", "update_at_"])
+def test_positions_out_of_range_writes_nothing(cache, op):
+    kn, vn = new(2)
+    # Row 0 is valid, row 1 overflows: no row may be written.
+    expect_no_write(
+        cache, ValueError, r"KV cache overflow: end=9 exceeds max_len=8 \(positions\[1\]=7",
+        kn, vn, torch.tensor([0, 7]), op=op,
+    )
+    expect_no_write(cache, ValueError, "positions must be >= 0, got -1 at index 0", kn, vn, torch.tensor([-1, 0]), op=op)
+    expect_no_write(cache, ValueError, "KV cache overflow: end=10 exceeds max_len=8", kn, vn, torch.tensor(8, dtype=torch.int32), op=op)
+
+
+def test_start_wrong_type(cache):
+    kn, vn = new(1)
+    for bad in (1.5, "3", None, True):
+        expect_no_write(cache, TypeError, "start must be an int", kn, vn, bad)
+
+
+def test_cache_wrong_type():
+    kn, vn = new(1)
+    with pytest.raises(TypeError, match="cache must be a KVLayerCache"):
+        kvcache.update_kv_layer_cache((kn, vn, 0), kn, vn, 0)
+
+
+def test_keys_and_values_same_buffer_rejected():
+    """The JAX original's shared zeros buffer would alias keys and values here."""
+    buf = torch.zeros(B, H, T, D)
+    kn, vn = new(1)
+    with pytest.raises(ValueError, match="keys and values must not share memory"):
+        torch.ops.kvcache.update_(buf, buf, kn, vn, 0)
+    # Two dense windows of one flat buffer that overlap by one position.
+    flat = torch.zeros(B * H * T * D + D)
+    keys = flat[: B * H * T * D].view(B, H, T, D)
+    values = flat[D:].view(B, H, T, D)
+    with pytest.raises(ValueError, match="keys and values must not share memory"):
+        torch.ops.kvcache.update_(keys, values, kn, vn, 0)
+    assert torch.count_nonzero(buf) == 0 and torch.count_nonzero(flat) == 0
+
+
+def test_expanded_cache_rejected():
+    keys = torch.zeros(1, H, T, D).expand(B, H, T, D)
+    values = torch.zeros(B, H, T, D)
+    kn, vn = new(1)
+    with pytest.raises(ValueError, match="keys must not have internally overlapping memory"):
+        torch.ops.kvcache.update_(keys, values, kn, vn, 0)
+    assert torch.count_nonzero(values) == 0
+
+
+def test_new_aliasing_cache_rejected():
+    cache = kvcache.init_kv_layer_cache(1, 1, D, T, torch.float32)
+    cache.keys.copy_(torch.randn(1, 1, T, D))
+    kn = cache.keys[:, :, :2]  # dense, so the overlap is provable
+    vn = torch.randn(1, 1, 2, D)
+    expect_no_write(cache, ValueError, "keys_new and values_new must not share memory with the cache", kn, vn, 4)
+    expect_no_write(cache, ValueError, "must not share memory with the cache", vn, cache.values[:, :, 1:3], 4)
+
+
+def test_sparse_and_quantized_rejected(cache):
+    kn, vn = new(1)
+    with pytest.raises(ValueError, match="keys_new must be a strided"):
+        torch.ops.kvcache.update_(cache.keys, cache.values, kn.to_sparse(), vn, 0)
+    with pytest.raises(ValueError, match="values_new must be a strided"):
+        torch.ops.kvcache.update_at_(cache.keys, cache.values, kn, vn.to_sparse(), torch.tensor(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantized tensors are deprecated, still rejected
+        q = torch.quantize_per_tensor(torch.zeros(B, H, T, D), 0.1, 0, torch.qint8)
+    with pytest.raises(TypeError, match="keys must not be a quantized tensor, got dtype torch.qint8"):
+        torch.ops.kvcache.update_(q, q.clone(), kn, vn, 0)
+    with pytest.raises(TypeError, match="dtype must not be a quantized type"):
+        torch.ops.kvcache.init_layer_cache(1, 1, 1, 1, dtype=torch.qint8)

@@ -1,0 +1,75 @@
+"""torch.library.opcheck (schema, autograd registration, fake tensor, AOT dispatch) on every op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import kvcache  # noqa: F401
+
+from conftest import random_tensor
+
+ALL_CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def update_samples():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        keys = torch.zeros(2, 3, 16, 8, dtype=dtype)
+        values = torch.zeros(2, 3, 16, 8, dtype=dtype)
+        kn = random_tensor((2, 3, 4, 8), dtype, seed=1)
+        vn = random_tensor((2, 3, 4, 8), dtype, seed=2)
+        yield keys, values, kn, vn
+    # transposed inputs and a (batch, max_len, heads, head_dim) cache layout
+    keys = torch.zeros(2, 16, 3, 8).transpose(1, 2)
+    values = torch.zeros(2, 16, 3, 8).transpose(1, 2)
+    kn = torch.randn(2, 1, 3, 8).transpose(1, 2)
+    vn = torch.randn(2, 1, 3, 8).transpose(1, 2)
+    yield keys, values, kn, vn
+
+
+@pytest.mark.parametrize("sample", list(update_samples()), ids=lambda s: f"{s[0].dtype}-{tuple(s[2].shape)}-{s[0].is_contiguous()}")
+@pytest.mark.parametrize("start", [0, 5])
+def test_opcheck_update(sample, start):
+    keys, values, kn, vn = sample
+    result = opcheck(torch.ops.kvcache.update_.default, (keys, values, kn, vn, start), test_utils=ALL_CHECKS)
+    assert set(result) == set(ALL_CHECKS) and all(v == "SUCCESS" for v in result.values()), result
+
+
+@pytest.mark.parametrize("sample", list(update_samples()), ids=lambda s: f"{s[0].dtype}-{tuple(s[2].shape)}-{s[0].is_contiguous()}")
+@pytest.mark.parametrize("positions", [torch.tensor(3), torch.tensor([0, 9], dtype=torch.int32)], ids=["scalar", "ragged"])
+def test_opcheck_update_at(sample, positions):
+    keys, values, kn, vn = sample
+    result = opcheck(torch.ops.kvcache.update_at_.default, (keys, values, kn, vn, positions), test_utils=ALL_CHECKS)
+    assert all(v == "SUCCESS" for v in result.values()), result
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float32, torch.bfloat16, torch.int8])
+def test_opcheck_init(dtype):
+    result = opcheck(
+        torch.ops.kvcache.init_layer_cache.default,
+        (2, 3, 8, 16),
+        {"dtype": dtype, "device": torch.device("cpu")},
+        test_utils=ALL_CHECKS,
+    )
+    assert all(v == "SUCCESS" for v in result.values()), result
+
+
+def test_fake_update_raises_same_errors():
+    """Tracing with fake tensors reports the same errors as eager."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        keys = torch.empty(2, 3, 16, 8)
+        values = torch.empty(2, 3, 16, 8)
+        kn = torch.empty(2, 3, 4, 8)
+        with pytest.raises(ValueError, match="KV cache overflow: end=17 exceeds max_len=16"):
+            torch.ops.kvcache.update_(keys, values, kn, kn.clone(), 13)
+        with pytest.raises(TypeError, match="keys_new must have the cache dtype"):
+            torch.ops.kvcache.update_(keys, values, kn.half(), kn.clone(), 0)
+        with pytest.raises(ValueError, match=r"positions must be a 0-D tensor"):
+            torch.ops.kvcache.update_at_(keys, values, kn, kn.clone(), torch.zeros(3, dtype=torch.int64))
+        with pytest.raises(TypeError, match="positions must be an int32 or int64"):
+            torch.ops.kvcache.update_at_(keys, values, kn, kn.clone(), torch.zeros(()))
+        k2, v2, length = torch.ops.kvcache.init_layer_cache(1, 2, 4, 8, dtype=torch.float16)
+        assert k2.shape == (1, 2, 8, 4) and k2.dtype == torch.float16 and length.dtype == torch.int32
