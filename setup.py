@@ -58,7 +58,9 @@ def _want_cuda() -> bool:
 def _op_library(with_cuda: bool):
     sources = sorted(glob.glob(os.path.join(CSRC, "*.cpp")))
     sources += sorted(glob.glob(os.path.join(CSRC, "cpu", "*.cpp")))
-    cxx = ["-O3", "-std=c++17", "-fvisibility=hidden"]
+    # No -std flag: torch.utils.cpp_extension picks the standard its headers
+    # need (C++20 for torch >= 2.13).
+    cxx = ["-O3", "-fvisibility=hidden"]
     macros = []
     # The op library has no Python in it: C++ programs can link it.
     kwargs = dict(
@@ -77,7 +79,7 @@ def _op_library(with_cuda: bool):
             LIB_NAME,
             sources,
             define_macros=macros,
-            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17"]},
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3"]},
             **kwargs,
         )
     else:
@@ -97,7 +99,7 @@ def _python_module():
         include_dirs=[pybind11.get_include(), os.path.join(ROOT, CSRC, "include")],
         libraries=["kvcache"],
         runtime_library_dirs=["$ORIGIN"],
-        extra_compile_args={"cxx": ["-O2", "-std=c++17", "-fvisibility=hidden"]},
+        extra_compile_args={"cxx": ["-O2", "-fvisibility=hidden"]},
     )
 
 

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Sets up a fresh machine for kvcache: system packages (Debian), a virtual
+# environment in .venv with torch==2.13.0 (CPU), and an editable build.
+# Idempotent: a second run only rebuilds what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=${KVCACHE_VENV:-.venv}
+TORCH_SPEC=${KVCACHE_TORCH:-torch==2.13.0}
+
+need_apt=()
+command -v cmake >/dev/null || need_apt+=(cmake)
+command -v ninja >/dev/null || need_apt+=(ninja-build)
+command -v g++ >/dev/null || need_apt+=(g++)
+[ -e /usr/include/catch2/catch.hpp ] || [ -e /usr/include/catch2/catch_test_macros.hpp ] \
+  || [ -e /usr/local/include/catch2/catch_test_macros.hpp ] || need_apt+=(catch2)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "== installing ${need_apt[*]} (apt-get)"
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "== creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+# shellcheck disable=SC1091
+. "$VENV/bin/activate"
+echo "== installing $TORCH_SPEC and the build/test requirements"
+# torch is pinned so pip never resolves (and downloads) another release.
+pip install -q --disable-pip-version-check "$TORCH_SPEC" numpy "setuptools>=69" wheel \
+  "pybind11>=2.12" ninja pytest expecttest tqdm matplotlib 2>&1 | grep -v "^WARNING: Location" || true
+python -c "import torch" >/dev/null  # fail here, clearly, if torch did not install
+
+echo "== building kvcache (pip install --no-build-isolation -e .)"
+start=$(date +%s)
+pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e . \
+  2>&1 | grep -v "^WARNING: Location" || true
+python -c "import kvcache; print('kvcache built:', kvcache.build_info())"
+echo "== build took $(( $(date +%s) - start ))s"

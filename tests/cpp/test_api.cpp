@@ -1,0 +1,171 @@
+// The C++ API (include/kvcache/kvcache.h) against plain ATen slicing.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <vector>
+
+#include "catch.h"
+#include "kvcache/kvcache.h"
+
+namespace {
+
+constexpr int64_t B = 2, H = 3, T = 16, D = 8;
+
+at::Tensor random_of(at::IntArrayRef shape, at::ScalarType dtype) {
+  if (dtype == at::kBool) return at::randint(0, 2, shape).to(at::kBool);
+  if (at::isIntegralType(dtype, /*includeBool=*/false)) {
+    return at::randint(-100, 100, shape).to(dtype);
+  }
+  return (at::randn(shape) * 4).to(dtype);
+}
+
+// Byte-exact comparison: works for every dtype, float8 and NaN included.
+bool same_bytes(const at::Tensor& a, const at::Tensor& b) {
+  return a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() &&
+         at::equal(a.contiguous().view(at::kByte), b.contiguous().view(at::kByte));
+}
+
+// Reference: plain slicing on clones.
+std::pair<at::Tensor, at::Tensor> reference(const at::Tensor& keys, const at::Tensor& values,
+                                            const at::Tensor& kn, const at::Tensor& vn,
+                                            const std::vector<int64_t>& starts) {
+  auto k = keys.clone(), v = values.clone();
+  const int64_t chunk = kn.size(2);
+  for (int64_t b = 0; b < keys.size(0); ++b) {
+    k[b].narrow(1, starts[b], chunk).copy_(kn[b]);
+    v[b].narrow(1, starts[b], chunk).copy_(vn[b]);
+  }
+  return {k, v};
+}
+
+kvcache::KVLayerCache filled_cache(at::ScalarType dtype) {
+  auto cache = kvcache::init_kv_layer_cache(B, H, D, T, dtype);
+  cache.keys.copy_(random_of({B, H, T, D}, dtype));
+  cache.values.copy_(random_of({B, H, T, D}, dtype));
+  return cache;
+}
+
+}  // namespace
+
+TEST_CASE("init_kv_layer_cache gives zeros and separate buffers and length 0", "[api]") {
+  for (auto dtype : {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble, at::kFloat8_e4m3fn,
+                     at::kChar, at::kBool}) {
+    auto cache = kvcache::init_kv_layer_cache(B, H, D, T, dtype);
+    REQUIRE(cache.keys.sizes() == at::IntArrayRef({B, H, T, D}));
+    REQUIRE(cache.keys.scalar_type() == dtype);
+    REQUIRE(same_bytes(cache.keys, at::zeros({B, H, T, D}, at::TensorOptions().dtype(dtype))));
+    REQUIRE(same_bytes(cache.values, at::zeros({B, H, T, D}, at::TensorOptions().dtype(dtype))));
+    REQUIRE_FALSE(cache.keys.is_alias_of(cache.values));
+    REQUIRE(cache.length.scalar_type() == at::kInt);
+    REQUIRE(cache.length.dim() == 0);
+    REQUIRE(cache.length.item<int32_t>() == 0);
+    REQUIRE(cache.max_len() == T);
+  }
+}
+
+TEST_CASE("update_kv_layer_cache with a host start writes from start to start+chunk", "[api]") {
+  for (auto dtype : {at::kFloat, at::kHalf, at::kBFloat16, at::kFloat8_e5m2, at::kLong, at::kBool}) {
+    for (int64_t start : {0, 5, 13}) {
+      auto cache = filled_cache(dtype);
+      auto kn = random_of({B, H, 3, D}, dtype);
+      auto vn = random_of({B, H, 3, D}, dtype);
+      auto [ek, ev] = reference(cache.keys, cache.values, kn, vn, {start, start});
+      auto out = kvcache::update_kv_layer_cache(cache, kn, vn, start);
+      REQUIRE(same_bytes(cache.keys, ek));
+      REQUIRE(same_bytes(cache.values, ev));
+      REQUIRE(out.keys.is_same(cache.keys));  // in place, no copy
+      REQUIRE(out.length.scalar_type() == at::kInt);
+      REQUIRE(out.length.item<int32_t>() == start + 3);
+    }
+  }
+}
+
+TEST_CASE("update_kv_layer_cache with per-row device positions", "[api]") {
+  auto cache = filled_cache(at::kFloat);
+  auto kn = at::randn({B, H, 2, D});
+  auto vn = at::randn({B, H, 2, D});
+  auto [ek, ev] = reference(cache.keys, cache.values, kn, vn, {3, 14});
+  auto out = kvcache::update_kv_layer_cache(cache, kn, vn, at::tensor({3, 14}, at::kInt));
+  REQUIRE(same_bytes(cache.keys, ek));
+  REQUIRE(same_bytes(cache.values, ev));
+  REQUIRE(out.length.sizes() == at::IntArrayRef({B}));
+  REQUIRE(out.length[0].item<int32_t>() == 5);
+  REQUIRE(out.length[1].item<int32_t>() == 16);
+}
+
+TEST_CASE("transposed inputs and a strided cache", "[api]") {
+  auto keys = at::randn({B, T, H, D}).transpose(1, 2);
+  auto values = at::randn({B, T, H, D}).transpose(1, 2);
+  auto kn = at::randn({B, 4, H, D}).transpose(1, 2);
+  auto vn = at::randn({B, 4, H, D}).transpose(1, 2);
+  auto [ek, ev] = reference(keys, values, kn, vn, {6, 6});
+  kvcache::update_(keys, values, kn, vn, 6);
+  REQUIRE(same_bytes(keys, ek));
+  REQUIRE(same_bytes(values, ev));
+}
+
+TEST_CASE("prefill then single-token decode steps match the reference", "[api]") {
+  auto cache = kvcache::init_kv_layer_cache(B, H, D, T, at::kFloat);
+  auto ref_k = at::zeros({B, H, T, D});
+  auto ref_v = at::zeros({B, H, T, D});
+  auto kn = at::randn({B, H, 5, D}), vn = at::randn({B, H, 5, D});
+  cache = kvcache::update_kv_layer_cache(cache, kn, vn, 0);
+  ref_k.narrow(2, 0, 5).copy_(kn);
+  ref_v.narrow(2, 0, 5).copy_(vn);
+  for (int64_t pos = 5; pos < T; ++pos) {
+    kn = at::randn({B, H, 1, D});
+    vn = at::randn({B, H, 1, D});
+    cache = kvcache::update_kv_layer_cache(cache, kn, vn, cache.length);  // device position
+    ref_k.narrow(2, pos, 1).copy_(kn);
+    ref_v.narrow(2, pos, 1).copy_(vn);
+    REQUIRE(same_bytes(cache.keys, ref_k));
+    REQUIRE(same_bytes(cache.values, ref_v));
+    REQUIRE(cache.length.item<int32_t>() == pos + 1);
+  }
+}
+
+TEST_CASE("errors are raised before anything is written", "[api][errors]") {
+  auto cache = filled_cache(at::kFloat);
+  const auto k0 = cache.keys.clone(), v0 = cache.values.clone();
+  auto kn = at::randn({B, H, 3, D}), vn = at::randn({B, H, 3, D});
+
+  REQUIRE_THROWS_AS(kvcache::update_kv_layer_cache(cache, kn, vn, 14), c10::ValueError);
+  REQUIRE_THROWS_WITH(kvcache::update_kv_layer_cache(cache, kn, vn, 14),
+                      KV_CONTAINS("KV cache overflow: end=17 exceeds max_len=16"));
+  REQUIRE_THROWS_WITH(kvcache::update_kv_layer_cache(cache, kn, vn, -1),
+                      KV_CONTAINS("start must be >= 0, got -1"));
+  REQUIRE_THROWS_AS(kvcache::update_kv_layer_cache(cache, kn.to(at::kHalf), vn, 0), c10::TypeError);
+  REQUIRE_THROWS_WITH(kvcache::update_kv_layer_cache(cache, kn, vn.to(at::kDouble), 0),
+                      KV_CONTAINS("values_new must have the cache dtype torch.float32"));
+  REQUIRE_THROWS_WITH(kvcache::update_kv_layer_cache(cache, at::randn({B, H + 1, 3, D}), vn, 0),
+                      KV_CONTAINS("keys_new must have shape (batch=2, num_kv_heads=3"));
+  REQUIRE_THROWS_WITH(kvcache::update_kv_layer_cache(cache, kn, at::randn({B, H, 2, D}), 0),
+                      KV_CONTAINS("values_new must have the same shape as keys_new"));
+  REQUIRE_THROWS_WITH(kvcache::update_kv_layer_cache(cache, at::randn({B, H, D}), vn, 0),
+                      KV_CONTAINS("keys_new must be a 4-D tensor"));
+  REQUIRE_THROWS_AS(kvcache::update_kv_layer_cache(cache, kn, vn, at::tensor({0, 14})), c10::ValueError);
+  REQUIRE_THROWS_WITH(kvcache::update_kv_layer_cache(cache, kn, vn, at::tensor({0, 14})),
+                      KV_CONTAINS("KV cache overflow: end=17 exceeds max_len=16 (positions[1]=14"));
+  REQUIRE_THROWS_WITH(kvcache::update_kv_layer_cache(cache, kn, vn, at::tensor({-2, 0})),
+                      KV_CONTAINS("positions must be >= 0"));
+  REQUIRE_THROWS_AS(kvcache::update_kv_layer_cache(cache, kn, vn, at::tensor(1.0)), c10::TypeError);
+  REQUIRE_THROWS_WITH(kvcache::update_kv_layer_cache(cache, kn, vn, at::zeros({3}, at::kLong)),
+                      KV_CONTAINS("positions must be a 0-D tensor"));
+  REQUIRE_THROWS_WITH(kvcache::update_(cache.keys, cache.keys, kn, vn, 0),
+                      KV_CONTAINS("keys and values must not share memory"));
+  REQUIRE_THROWS_AS(kvcache::init_kv_layer_cache(-1, H, D, T, at::kFloat), c10::ValueError);
+
+  REQUIRE(at::equal(cache.keys, k0));
+  REQUIRE(at::equal(cache.values, v0));
+}
+
+TEST_CASE("init_decoder_kv_caches gives distinct caches", "[api]") {
+  auto caches = kvcache::init_decoder_kv_caches(3, B, H, D, T, at::kBFloat16);
+  REQUIRE(caches.size() == 3);
+  caches[0].keys.fill_(1);
+  for (size_t i = 1; i < caches.size(); ++i) {
+    REQUIRE(caches[i].keys.count_nonzero().item<int64_t>() == 0);
+    REQUIRE_FALSE(caches[i].keys.is_alias_of(caches[0].keys));
+  }
+  REQUIRE_THROWS_AS(kvcache::init_decoder_kv_caches(-1, B, H, D, T, at::kFloat), c10::ValueError);
+}
