@@ -1,0 +1,291 @@
+"""A small decoder-only transformer whose attention caches keys and values
+with :func:`kvcache.update_kv_layer_cache`.
+
+Token embedding, rotary position embedding (RoPE), grouped-query attention
+(``num_kv_heads < num_heads``), RMSNorm and a SiLU-gated MLP; weights come
+from a seeded generator. The model keeps no Python-side state: positions and
+caches come in as arguments and the updated caches go out, so the same code
+runs eagerly, under ``torch.compile``, ``torch.export`` and TorchScript.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache import KVLayerCache, update_kv_layer_cache
+from ..config import TransformerConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm with a learned scale."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in float32 so bfloat16 models stay accurate.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.to(x.dtype) * self.weight
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotates ``x`` (batch, heads, seq, head_dim) by its absolute positions (batch, seq)."""
+    angles = positions.to(torch.float32)[:, None, :, None] * inv_freq  # (B, 1, S, D/2)
+    cos, sin = angles.cos(), angles.sin()
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)
+
+
+def grouped_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    q_positions: torch.Tensor,
+) -> torch.Tensor:
+    """Causal grouped-query attention over a KV buffer, without copying it.
+
+    Args:
+        q: Queries ``(batch, num_heads, seq, head_dim)``.
+        keys: Keys ``(batch, num_kv_heads, kv_len, head_dim)``; slot ``j``
+            holds position ``j``.
+        values: Values of the same shape as ``keys``.
+        q_positions: Absolute position of every query ``(batch, seq)``;
+            a query attends to slots ``j <= its position``.
+
+    Returns:
+        Attention output ``(batch, num_heads, seq, head_dim)``.
+    """
+    b, h, s, d = q.shape
+    kv_heads, kv_len = keys.shape[1], keys.shape[2]
+    group = h // kv_heads
+    # Fold the query heads that share a KV head into the sequence axis, so
+    # the cache is read as is (no repeat_interleave copy of it).
+    qg = q.reshape(b, kv_heads, group * s, d)
+    slots = torch.arange(kv_len, device=q.device)
+    mask = slots[None, None, :] <= q_positions[:, :, None]  # (B, S, kv_len)
+    mask = mask[:, None, None, :, :].expand(b, 1, group, s, kv_len).reshape(b, 1, group * s, kv_len)
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
+    return out.reshape(b, h, s, d)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention that writes its keys/values to a KV cache."""
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.kv_heads
+        self.head_dim = config.head_dim
+        d = config.d_model
+        self.wq = nn.Linear(d, self.num_heads * self.head_dim, bias=False)
+        self.wkv = nn.Linear(d, 2 * self.num_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
+        inv_freq = 1.0 / (
+            config.rope_theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
+        )
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+        kv = self.wkv(x).view(b, s, 2, self.num_kv_heads, self.head_dim)
+        k = kv[:, :, 0].transpose(1, 2)
+        v = kv[:, :, 1].transpose(1, 2)  # a strided view; the cache op takes it as is
+        return rope(q, positions, self.inv_freq), rope(k, positions, self.inv_freq), v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        start: torch.Tensor,
+        cache: KVLayerCache,
+        attend_len: Optional[int] = None,
+    ) -> Tuple[torch.Tensor, KVLayerCache]:
+        q, k, v = self.project(x, positions)
+        cache = update_kv_layer_cache(cache, k, v, start)
+        keys, values = cache.keys, cache.values
+        if attend_len is not None:
+            # A view of the filled prefix (no copy) when the caller knows it.
+            keys = keys[:, :, :attend_len]
+            values = values[:, :, :attend_len]
+        out = grouped_attention(q, keys, values, positions)
+        b, _, s, _ = out.shape
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1)), cache
+
+    def forward_no_cache(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project(x, positions)
+        out = grouped_attention(q, k, v, positions)
+        b, _, s, _ = out.shape
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    """SiLU-gated feed-forward block."""
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        hidden = config.d_ff or 4 * config.d_model
+        self.w_in = nn.Linear(config.d_model, 2 * hidden, bias=False)
+        self.w_out = nn.Linear(hidden, config.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_in(x).chunk(2, dim=-1)
+        return self.w_out(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        start: torch.Tensor,
+        cache: KVLayerCache,
+        attend_len: Optional[int] = None,
+    ) -> Tuple[torch.Tensor, KVLayerCache]:
+        a, cache = self.attn(self.attn_norm(x), positions, start, cache, attend_len)
+        x = x + a
+        return x + self.mlp(self.mlp_norm(x)), cache
+
+    def forward_no_cache(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn.forward_no_cache(self.attn_norm(x), positions)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Decoder(nn.Module):
+    """Decoder-only transformer with KV caching through ``kvcache``.
+
+    Args:
+        config: Model hyperparameters (``num_kv_heads < num_heads`` gives
+            grouped-query attention).
+        seed: Seed of the generator the weights are drawn from.
+        dtype: Parameter dtype.
+    """
+
+    def __init__(self, config: TransformerConfig, seed: int = 0, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList([Block(config) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    continue
+                fan_in = p.shape[-1]
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(fan_in))
+        self.to(dtype)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        start: torch.Tensor,
+        caches: List[KVLayerCache],
+        attend_len: Optional[int] = None,
+    ) -> Tuple[torch.Tensor, List[KVLayerCache]]:
+        """Runs ``tokens`` at positions ``start + [0, seq)``, caching their keys/values.
+
+        Args:
+            tokens: Token ids ``(batch, seq)``: a prompt (prefill) or one
+                token per row (decode).
+            start: int tensor: the position of ``tokens[:, 0]``, 0-D (all rows)
+                or ``(batch,)`` (ragged rows).
+            caches: One :class:`KVLayerCache` per layer.
+            attend_len: Optional host-known bound on ``start + seq`` over the
+                batch; attention then reads only that prefix of the cache.
+                ``None`` reads the whole cache with a mask (static shapes,
+                for compile / CUDA graphs).
+
+        Returns:
+            ``(logits, caches)``: logits ``(batch, seq, vocab)`` in float32,
+            and the updated caches (the same buffers, new lengths).
+        """
+        b, s = tokens.shape
+        positions = start.reshape(-1, 1).expand(b, 1) + torch.arange(s, device=tokens.device)[None, :]
+        x = self.embed(tokens)
+        new_caches: List[KVLayerCache] = []
+        for i, block in enumerate(self.blocks):
+            x, cache = block(x, positions, start, caches[i], attend_len)
+            new_caches.append(cache)
+        return self.head(self.norm(x)).float(), new_caches
+
+    def forward_no_cache(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Full causal forward over ``tokens`` (batch, seq) with no cache.
+
+        Returns:
+            Logits ``(batch, seq, vocab)`` in float32.
+        """
+        b, s = tokens.shape
+        positions = torch.arange(s, device=tokens.device)[None, :].expand(b, s)
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block.forward_no_cache(x, positions)
+        return self.head(self.norm(x)).float()
+
+
+def greedy_generate(
+    model: Decoder,
+    prompt: torch.Tensor,
+    new_tokens: int,
+    caches: List[KVLayerCache],
+    prompt_lengths: Optional[torch.Tensor] = None,
+    step_callback=None,
+) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """Greedy decoding with the KV cache: one prefill, then one token per step.
+
+    Args:
+        model: The decoder.
+        prompt: Token ids ``(batch, prompt_len)``; rows shorter than
+            ``prompt_len`` are right-padded.
+        new_tokens: Number of tokens to generate per row.
+        caches: Empty caches, one per layer, with room for
+            ``prompt_len + new_tokens`` positions.
+        prompt_lengths: ``(batch,)`` true prompt length of each row (ragged
+            batch); ``None`` means every row uses the whole prompt.
+        step_callback: Called after every step (for a progress bar).
+
+    Returns:
+        ``(tokens, step_logits)``: generated ids ``(batch, new_tokens)`` and
+        the logits that chose each token, one ``(batch, vocab)`` per step.
+    """
+    b, s = prompt.shape
+    device = prompt.device
+    lengths = prompt_lengths if prompt_lengths is not None else torch.full((b,), s, dtype=torch.int64, device=device)
+    lengths = lengths.to(device=device, dtype=torch.int64)
+    # Padded slots of short rows are written by the prefill but never
+    # attended: each row's decode overwrites slot `length` before reading it.
+    logits, caches = model(prompt, torch.zeros((), dtype=torch.int64, device=device), caches, attend_len=s)
+    last = logits[torch.arange(b, device=device), lengths - 1]
+    out, step_logits = [], []
+    pos = lengths
+    host_end = s  # host-side bound on every row's end, no sync needed
+    for _ in range(new_tokens):
+        token = last.argmax(-1)
+        out.append(token)
+        step_logits.append(last)
+        if step_callback is not None:
+            step_callback()
+        if len(out) == new_tokens:
+            break
+        host_end += 1
+        logits, caches = model(token[:, None], pos, caches, attend_len=max(host_end, 1))
+        last = logits[:, 0]
+        pos = pos + 1
+    return torch.stack(out, dim=1), step_logits
