@@ -267,14 +267,16 @@ def greedy_generate(
     """
     b, s = prompt.shape
     device = prompt.device
-    lengths = prompt_lengths if prompt_lengths is not None else torch.full((b,), s, dtype=torch.int64, device=device)
-    lengths = lengths.to(device=device, dtype=torch.int64)
-    # Padded slots of short rows are written by the prefill but never
-    # attended: each row's decode overwrites slot `length` before reading it.
     logits, caches = model(prompt, torch.zeros((), dtype=torch.int64, device=device), caches, attend_len=s)
-    last = logits[torch.arange(b, device=device), lengths - 1]
+    if prompt_lengths is None:
+        pos = torch.tensor(s, dtype=torch.int64, device=device)  # one position for all rows
+        last = logits[:, -1]
+    else:
+        # Padded slots of short rows are written by the prefill but never
+        # attended: each row's decode overwrites slot `length` before reading it.
+        pos = prompt_lengths.to(device=device, dtype=torch.int64)
+        last = logits[torch.arange(b, device=device), pos - 1]
     out, step_logits = [], []
-    pos = lengths
     host_end = s  # host-side bound on every row's end, no sync needed
     for _ in range(new_tokens):
         token = last.argmax(-1)
