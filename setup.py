@@ -60,12 +60,15 @@ def _op_library(with_cuda: bool):
     sources += sorted(glob.glob(os.path.join(CSRC, "cpu", "*.cpp")))
     # No -std flag: torch.utils.cpp_extension picks the standard its headers
     # need (C++20 for torch >= 2.13).
-    cxx = ["-O3", "-fvisibility=hidden"]
+    # -fopenmp: at::parallel_for is inline in ATen's headers and runs
+    # serially unless the including code is compiled with OpenMP. The
+    # runtime is torch's own libgomp.so.1 (same soname, already loaded).
+    cxx = ["-O3", "-fvisibility=hidden", "-fopenmp"]
     macros = []
     # The op library has no Python in it: C++ programs can link it.
     kwargs = dict(
         include_dirs=[os.path.join(ROOT, CSRC), os.path.join(ROOT, CSRC, "include")],
-        extra_link_args=["-Wl,-soname,libkvcache.so"],
+        extra_link_args=["-Wl,-soname,libkvcache.so", "-fopenmp"],
     )
     if with_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS)

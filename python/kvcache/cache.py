@@ -134,7 +134,9 @@ def update_kv_layer_cache(
     keys, values = cache.keys, cache.values
     if isinstance(start, torch.Tensor):
         _update_at_op(keys, values, keys_new, values_new, start)
-        length = (start + keys_new.shape[2]).to(torch.int32)
+        length = start + keys_new.shape[2]
+        if length.dtype != torch.int32:  # int32 positions skip this extra kernel
+            length = length.to(torch.int32)
     else:
         if not isinstance(start, (int, torch.SymInt)) or isinstance(start, bool):
             start = _as_int("start", start)

@@ -267,14 +267,14 @@ def greedy_generate(
     """
     b, s = prompt.shape
     device = prompt.device
-    logits, caches = model(prompt, torch.zeros((), dtype=torch.int64, device=device), caches, attend_len=s)
+    logits, caches = model(prompt, torch.zeros((), dtype=torch.int32, device=device), caches, attend_len=s)
     if prompt_lengths is None:
-        pos = torch.tensor(s, dtype=torch.int64, device=device)  # one position for all rows
+        pos = torch.tensor(s, dtype=torch.int32, device=device)  # one position for all rows
         last = logits[:, -1]
     else:
         # Padded slots of short rows are written by the prefill but never
         # attended: each row's decode overwrites slot `length` before reading it.
-        pos = prompt_lengths.to(device=device, dtype=torch.int64)
+        pos = prompt_lengths.to(device=device, dtype=torch.int32)
         last = logits[torch.arange(b, device=device), pos - 1]
     out, step_logits = [], []
     host_end = s  # host-side bound on every row's end, no sync needed
