@@ -1,15 +1,10 @@
 #!/usr/bin/env bash
-# Sets up (scripts/setup.sh), then runs every test: pytest and the Catch2
-# tests under CTest. Exits non-zero on any failure.
+# Sets up (scripts/setup.sh), then runs every test: the C++ build with the
+# Catch2 tests under CTest, then pytest. Exits non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . "${KVCACHE_VENV:-.venv}/bin/activate"
-
-echo "== pytest"
-start=$(date +%s)
-python -m pytest -q tests/python
-echo "== pytest took $(( $(date +%s) - start ))s"
 
 echo "== C++ build (CMake, LibTorch, Catch2) and ctest"
 start=$(date +%s)
@@ -18,3 +13,9 @@ cmake -S . -B build/cmake -G Ninja -DCMAKE_BUILD_TYPE=Release \
 cmake --build build/cmake -j "$(nproc)"
 ctest --test-dir build/cmake --output-on-failure
 echo "== C++ build and tests took $(( $(date +%s) - start ))s"
+
+# After the C++ build: the TorchScript test runs build/cmake/kvcache_run.
+echo "== pytest"
+start=$(date +%s)
+KVCACHE_RUNNER="$PWD/build/cmake/kvcache_run" python -m pytest -q -p no:cacheprovider tests/python
+echo "== pytest took $(( $(date +%s) - start ))s"

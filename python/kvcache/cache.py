@@ -8,7 +8,6 @@ returned cache shares them. A decode step therefore costs O(chunk) memory
 traffic, never O(max_len).
 """
 
-from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from . import _library
+from ._torchscript import make_scriptable
 from .config import TransformerConfig
 
 _library.load()
@@ -49,6 +49,9 @@ class KVLayerCache:
     def max_len(self) -> int:
         """Maximum number of tokens the cache can hold."""
         return int(self.keys.shape[2])
+
+
+make_scriptable(KVLayerCache)
 
 
 def init_kv_layer_cache(
@@ -129,6 +132,15 @@ def update_kv_layer_cache(
         TypeError: If ``cache`` is not a :class:`KVLayerCache`, dtypes
             differ, or ``start`` is neither an int nor an integer tensor.
     """
+    if torch.jit.is_scripting():
+        # TorchScript: the same calls, without the Python-only type checks.
+        if isinstance(start, torch.Tensor):
+            torch.ops.kvcache.update_at_(cache.keys, cache.values, keys_new, values_new, start)
+            length = (start + keys_new.shape[2]).to(torch.int32)
+        else:
+            torch.ops.kvcache.update_(cache.keys, cache.values, keys_new, values_new, start)
+            length = torch.full([], start + keys_new.shape[2], dtype=torch.int32, device=cache.keys.device)
+        return KVLayerCache(cache.keys, cache.values, length)
     if not isinstance(cache, KVLayerCache):
         raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
     keys, values = cache.keys, cache.values

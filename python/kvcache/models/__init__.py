@@ -1,5 +1,5 @@
 """Models that use the kvcache API."""
 
-from .decoder import Decoder, greedy_generate
+from .decoder import Decoder, StatefulDecoder, greedy_generate
 
-__all__ = ["Decoder", "greedy_generate"]
+__all__ = ["Decoder", "StatefulDecoder", "greedy_generate"]

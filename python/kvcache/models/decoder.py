@@ -8,8 +8,6 @@ caches come in as arguments and the updated caches go out, so the same code
 runs eagerly, under ``torch.compile``, ``torch.export`` and TorchScript.
 """
 
-from __future__ import annotations
-
 import math
 from typing import List, Optional, Tuple
 
@@ -17,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache import KVLayerCache, update_kv_layer_cache
+from ..cache import KVLayerCache, init_kv_layer_cache, update_kv_layer_cache
 from ..config import TransformerConfig
 
 
@@ -238,6 +236,52 @@ class Decoder(nn.Module):
         for block in self.blocks:
             x = block.forward_no_cache(x, positions)
         return self.head(self.norm(x)).float()
+
+
+class CacheBuffers(nn.Module):
+    """One layer's cache buffers, registered as module buffers (not saved in state_dict)."""
+
+    def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype):
+        super().__init__()
+        cache = init_kv_layer_cache(batch_size, num_kv_heads, head_dim, max_len, dtype)
+        self.register_buffer("keys", cache.keys, persistent=False)
+        self.register_buffer("values", cache.values, persistent=False)
+
+
+class StatefulDecoder(nn.Module):
+    """A :class:`Decoder` that owns its KV caches as module buffers.
+
+    ``forward(tokens, start)`` runs one prefill or decode step and writes the
+    new keys/values into the buffers in place. Only tensors cross the call,
+    which is what ``torch.export``, AOTInductor and a C++ TorchScript runner
+    need. Each layer has its own pair of buffers, passed whole to the cache
+    op (a view would make Inductor clone it).
+
+    Args:
+        model: The decoder (its weights are shared, not copied).
+        batch_size: Batch size of the caches.
+        max_len: Cache capacity; defaults to ``model.config.cache_len``.
+        dtype: Cache dtype; defaults to the model's parameter dtype.
+    """
+
+    def __init__(self, model: Decoder, batch_size: int, max_len: Optional[int] = None,
+                 dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        cfg = model.config
+        dtype = dtype if dtype is not None else model.embed.weight.dtype
+        cap = max_len if max_len is not None else cfg.cache_len
+        self.model = model
+        self.caches = nn.ModuleList(
+            [CacheBuffers(batch_size, cfg.kv_heads, cfg.head_dim, cap, dtype) for _ in range(cfg.num_layers)]
+        )
+
+    def forward(self, tokens: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """One step: logits ``(batch, seq, vocab)`` for ``tokens`` at ``start + [0, seq)``."""
+        caches: List[KVLayerCache] = []
+        for buffers in self.caches:
+            caches.append(KVLayerCache(buffers.keys, buffers.values, start))
+        logits, _ = self.model(tokens, start, caches)
+        return logits
 
 
 def greedy_generate(
