@@ -246,8 +246,8 @@ def patched_update(fn):
 
 
 def case_e2e(args, device, rows):
-    cfg = kvcache.TransformerConfig(num_layers=4, num_heads=8, d_model=256, max_len=args.e2e_prompt + args.e2e_tokens,
-                                    num_kv_heads=2)
+    cfg = kvcache.TransformerConfig(num_layers=args.e2e_layers, num_heads=8, d_model=args.e2e_d_model,
+                                    max_len=args.e2e_prompt + args.e2e_tokens, num_kv_heads=2)
     dtype_name = args.dtypes[0]
     dtype = DTYPES[dtype_name]
     model = Decoder(cfg, seed=0, dtype=dtype).to(device).eval()
@@ -343,7 +343,8 @@ def plot(rows, path):
         first = (dec[0]["dtype"], dec[0]["batch"], dec[0]["kv_heads"], dec[0]["head_dim"])
         sel = [r for r in dec if (r["dtype"], r["batch"], r["kv_heads"], r["head_dim"]) == first]
         axes[0].barh([r["method"] for r in sel], [r["median_us"] for r in sel], xerr=[r["iqr_us"] for r in sel])
-        axes[0].set_xlabel("µs per decode update (median, IQR)")
+        axes[0].set_xscale("log")
+        axes[0].set_xlabel("µs per decode update (median, IQR; log scale)")
         axes[0].set_title(f"decode update, {first[0]}, B={first[1]} H={first[2]} D={first[3]}")
         axes[0].invert_yaxis()
     sc = [r for r in rows if r["case"] == "scaling"]
@@ -380,7 +381,9 @@ def parse_args(argv=None):
                    choices=["decode", "prefill", "scaling", "e2e"])
     p.add_argument("--max-len", type=int, default=2048, help="cache capacity for the decode case")
     p.add_argument("--min-time", type=float, default=0.3, help="seconds of timing per method and shape")
-    p.add_argument("--e2e-batch", type=int, default=4)
+    p.add_argument("--e2e-batch", type=int, default=1)
+    p.add_argument("--e2e-layers", type=int, default=4)
+    p.add_argument("--e2e-d-model", type=int, default=128)
     p.add_argument("--e2e-prompt", type=int, default=64)
     p.add_argument("--e2e-tokens", type=int, default=128)
     p.add_argument("--e2e-repeats", type=int, default=5)
@@ -424,7 +427,8 @@ def main(argv=None) -> int:
             print_table("decode update vs max_len, µs", r, ["dtype", "max_len", "method", "median_us", "iqr_us"])
     if "e2e" in args.cases:
         r = case_e2e(args, device, rows)
-        print_table(f"end-to-end greedy decode (4 layers, d_model 256, 8/2 heads, batch {args.e2e_batch})", r,
+        print_table(f"end-to-end greedy decode ({args.e2e_layers} layers, d_model {args.e2e_d_model}, 8/2 heads, "
+                    f"batch {args.e2e_batch}, {args.e2e_tokens} tokens)", r,
                     ["dtype", "batch", "method", "tokens_per_s", "same_tokens"])
     lines = targets(rows)
     print("\n## targets\n")
