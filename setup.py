@@ -107,7 +107,17 @@ def _python_module():
 
 
 class BuildExtension(cpp_extension.BuildExtension):
-    """Names the op library libkvcache.so and lets _C link against it."""
+    """Names the op library libkvcache.so, lets _C link against it, and puts
+    the C++ headers beside it (kvcache/include) for LibTorch users."""
+
+    def run(self):
+        super().run()
+        for header in glob.glob(os.path.join(CSRC, "include", "kvcache", "*.h")):
+            dest_dir = os.path.join(
+                os.path.dirname(self.get_ext_fullpath(LIB_NAME)), "include", "kvcache"
+            )
+            os.makedirs(dest_dir, exist_ok=True)
+            self.copy_file(header, dest_dir)
 
     def get_ext_filename(self, fullname):
         parts = fullname.split(".")

@@ -146,7 +146,8 @@ def ratio_row(results, name, ref):
 
 
 def case_decode(args, device, rows):
-    shapes = [(1, 8, 128), (4, 8, 64), (16, 8, 128)] if not args.quick else [(1, 8, 128)]
+    # (batch, kv_heads, head_dim): grouped KV heads of 8- to 32-head models, and 32 KV heads
+    shapes = [(1, 8, 128), (4, 8, 64), (16, 8, 128), (2, 32, 64)] if not args.quick else [(1, 8, 128)]
     out = []
     for dtype_name in args.dtypes:
         dtype = DTYPES[dtype_name]
