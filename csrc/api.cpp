@@ -22,8 +22,8 @@ const auto& update_op() {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("kvcache::update_", "")
-          .typed<void(at::Tensor&, at::Tensor&, const at::Tensor&,
-                      const at::Tensor&, c10::SymInt)>();
+          .typed<at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, c10::SymInt)>();
   return op;
 }
 
@@ -31,8 +31,8 @@ const auto& update_at_op() {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("kvcache::update_at_", "")
-          .typed<void(at::Tensor&, at::Tensor&, const at::Tensor&,
-                      const at::Tensor&, const at::Tensor&)>();
+          .typed<at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, const at::Tensor&)>();
   return op;
 }
 
@@ -46,15 +46,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> init_layer_cache(
                         device);
 }
 
-void update_(at::Tensor& keys, at::Tensor& values, const at::Tensor& keys_new,
-             const at::Tensor& values_new, int64_t start) {
-  update_op().call(keys, values, keys_new, values_new, c10::SymInt(start));
+at::Tensor update_(at::Tensor& keys, at::Tensor& values,
+                   const at::Tensor& keys_new, const at::Tensor& values_new,
+                   int64_t start) {
+  return update_op().call(keys, values, keys_new, values_new,
+                          c10::SymInt(start));
 }
 
-void update_at_(at::Tensor& keys, at::Tensor& values,
-                const at::Tensor& keys_new, const at::Tensor& values_new,
-                const at::Tensor& positions) {
-  update_at_op().call(keys, values, keys_new, values_new, positions);
+at::Tensor update_at_(at::Tensor& keys, at::Tensor& values,
+                      const at::Tensor& keys_new, const at::Tensor& values_new,
+                      const at::Tensor& positions) {
+  return update_at_op().call(keys, values, keys_new, values_new, positions);
 }
 
 KVLayerCache init_kv_layer_cache(int64_t batch_size, int64_t num_kv_heads,
@@ -70,9 +72,7 @@ KVLayerCache update_kv_layer_cache(const KVLayerCache& cache,
                                    const at::Tensor& values_new,
                                    int64_t start) {
   KVLayerCache out = cache;  // shares the buffers: the update is in place
-  update_(out.keys, out.values, keys_new, values_new, start);
-  out.length = at::full({}, start + keys_new.size(2),
-                        out.keys.options().dtype(at::kInt));
+  out.length = update_(out.keys, out.values, keys_new, values_new, start);
   return out;
 }
 
@@ -81,8 +81,7 @@ KVLayerCache update_kv_layer_cache(const KVLayerCache& cache,
                                    const at::Tensor& values_new,
                                    const at::Tensor& positions) {
   KVLayerCache out = cache;
-  update_at_(out.keys, out.values, keys_new, values_new, positions);
-  out.length = (positions + keys_new.size(2)).to(at::kInt);
+  out.length = update_at_(out.keys, out.values, keys_new, values_new, positions);
   return out;
 }
 

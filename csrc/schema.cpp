@@ -22,15 +22,20 @@ TORCH_LIBRARY(kvcache, m) {
   // keys / values (batch, num_kv_heads, max_len, head_dim) at positions
   // [start, start + chunk) of dim 2, in place, in one pass. Raises ValueError
   // / TypeError before writing anything if an argument is invalid.
+  //
+  // Returns the new length, start + chunk, as a new int32 0-D tensor on the
+  // cache's device: computed by the same call (on CUDA, by the same kernel),
+  // so a decode step costs one dispatch. It aliases no input.
   m.def(
       "update_(Tensor(a!) keys, Tensor(b!) values, Tensor keys_new, "
-      "Tensor values_new, SymInt start) -> ()");
+      "Tensor values_new, SymInt start) -> Tensor");
 
   // As update_, with the start read on the device from `positions`: an int32
   // or int64 tensor, 0-D (one start for all rows) or of shape (batch,) (one
   // start per row). Needs no host sync, so it can be captured in a CUDA graph
-  // and traced without recompiling as the position advances.
+  // and traced without recompiling as the position advances. Returns
+  // positions + chunk as a new int32 tensor of the positions' shape.
   m.def(
       "update_at_(Tensor(a!) keys, Tensor(b!) values, Tensor keys_new, "
-      "Tensor values_new, Tensor positions) -> ()");
+      "Tensor values_new, Tensor positions) -> Tensor");
 }

@@ -6,6 +6,7 @@
 // other layout is copied element by element, by element size, so every dtype
 // (float8, bool, complex, ...) takes the same path without a dtype switch.
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
@@ -98,39 +99,53 @@ void write_both(at::Tensor& keys, at::Tensor& values,
                    });
 }
 
-void update_cpu(at::Tensor& keys, at::Tensor& values,
-                const at::Tensor& keys_new, const at::Tensor& values_new,
-                int64_t start) {
+at::Tensor update_cpu(at::Tensor& keys, at::Tensor& values,
+                      const at::Tensor& keys_new, const at::Tensor& values_new,
+                      int64_t start) {
   const auto g =
       detail::check_update_tensors(keys, values, keys_new, values_new);
   detail::check_start(start, g);
   write_both(keys, values, keys_new, values_new, g,
              [start](int64_t) { return start; });
+  at::Tensor length = at::empty({}, keys.options().dtype(at::kInt));
+  *length.mutable_data_ptr<int32_t>() = static_cast<int32_t>(start + g.chunk);
+  return length;
 }
 
+// All values of a 0-D or 1-D positions tensor, as int64.
 template <typename T>
-std::vector<int64_t> read_starts(const at::Tensor& positions, int64_t batch) {
-  std::vector<int64_t> starts(batch);
+std::vector<int64_t> read_positions(const at::Tensor& positions) {
+  const int64_t n = positions.numel();
+  std::vector<int64_t> out(n);
   const T* p = positions.const_data_ptr<T>();
   const int64_t stride = positions.dim() == 0 ? 0 : positions.stride(0);
-  for (int64_t b = 0; b < batch; ++b) {
-    starts[b] = static_cast<int64_t>(p[b * stride]);
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = static_cast<int64_t>(p[i * stride]);
   }
-  return starts;
+  return out;
 }
 
-void update_at_cpu(at::Tensor& keys, at::Tensor& values,
-                   const at::Tensor& keys_new, const at::Tensor& values_new,
-                   const at::Tensor& positions) {
+at::Tensor update_at_cpu(at::Tensor& keys, at::Tensor& values,
+                         const at::Tensor& keys_new,
+                         const at::Tensor& values_new,
+                         const at::Tensor& positions) {
   const auto g =
       detail::check_update_tensors(keys, values, keys_new, values_new);
   detail::check_positions_meta(positions, keys, g);
   detail::check_positions_values_cpu(positions, g);
-  const auto starts = positions.scalar_type() == at::kInt
-                          ? read_starts<int32_t>(positions, g.batch)
-                          : read_starts<int64_t>(positions, g.batch);
+  const auto pos = positions.scalar_type() == at::kInt
+                       ? read_positions<int32_t>(positions)
+                       : read_positions<int64_t>(positions);
+  const bool shared = positions.dim() == 0;  // one start for every row
   write_both(keys, values, keys_new, values_new, g,
-             [&starts](int64_t b) { return starts[b]; });
+             [&pos, shared](int64_t b) { return shared ? pos[0] : pos[b]; });
+  at::Tensor length =
+      at::empty(positions.sizes(), keys.options().dtype(at::kInt));
+  int32_t* out = length.mutable_data_ptr<int32_t>();
+  for (size_t i = 0; i < pos.size(); ++i) {
+    out[i] = static_cast<int32_t>(pos[i] + g.chunk);
+  }
+  return length;
 }
 
 }  // namespace

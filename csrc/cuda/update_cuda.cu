@@ -10,7 +10,7 @@
 // and can be captured in a CUDA graph. If any position is out of range
 // (negative, or position + chunk > max_len), every block sees it and the
 // launch writes nothing at all: no out-of-bounds write, no partial update.
-#include <ATen/core/Tensor.h>
+#include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -46,6 +46,8 @@ struct UpdateParams {
   int64_t start;          // host start, used when positions == nullptr
   const void* positions;  // int32/int64, 0-D (stride 0) or (batch,)
   int64_t pos_stride;
+  int32_t* length;        // out: start + chunk, one value per position
+  int64_t num_lengths;    // 1 for a host start or 0-D positions, else batch
 };
 
 template <typename PosT>
@@ -57,6 +59,15 @@ __device__ __forceinline__ int64_t position_of(const UpdateParams& p,
 
 template <typename Unit, typename PosT>
 __global__ void update_kernel(const UpdateParams p) {
+  // The new length is written even when the positions are out of range:
+  // then it exceeds max_len, which is how a caller can see the skipped write.
+  if (blockIdx.x == 0 && blockIdx.y == 0) {
+    for (int64_t i = threadIdx.x; i < p.num_lengths; i += blockDim.x) {
+      const int64_t s =
+          p.positions != nullptr ? position_of<PosT>(p, i) : p.start;
+      p.length[i] = static_cast<int32_t>(s + p.chunk);
+    }
+  }
   if (p.positions != nullptr) {
     // Every block validates every row, so one bad row stops all writes.
     int bad = 0;
@@ -77,8 +88,10 @@ __global__ void update_kernel(const UpdateParams p) {
   const int64_t start =
       p.positions != nullptr ? position_of<PosT>(p, b) : p.start;
 
-  const DstRows& d = p.dst[which];
-  const SrcRows& s = p.src[which];
+  // Select by value: indexing the parameter array with a runtime index would
+  // copy the whole parameter block to local memory.
+  const DstRows d = which ? p.dst[1] : p.dst[0];
+  const SrcRows s = which ? p.src[1] : p.src[0];
   char* dst = d.data + b * d.stride_b + h * d.stride_h + start * d.stride_t;
   const char* src = s.data + b * s.stride_b + h * s.stride_h;
 
@@ -115,11 +128,19 @@ void launch(UpdateParams p, int64_t unit, int64_t grid_x, int64_t grid_y,
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Writes both buffers and fills `length`, in one launch.
 void write_both(at::Tensor& keys, at::Tensor& values,
                 const at::Tensor& keys_new, const at::Tensor& values_new,
                 const UpdateGeometry& g, int64_t start,
-                const at::Tensor* positions) {
+                const at::Tensor* positions, at::Tensor& length) {
+  const c10::cuda::CUDAGuard guard(keys.device());
   if (g.batch == 0 || g.heads == 0 || g.chunk == 0 || g.head_dim == 0) {
+    // Nothing to copy: only the length, with ordinary stream-ordered ops.
+    if (positions != nullptr) {
+      length.copy_(*positions + g.chunk);
+    } else {
+      length.fill_(start + g.chunk);
+    }
     return;
   }
   const int64_t elem = keys.element_size();
@@ -162,6 +183,8 @@ void write_both(at::Tensor& keys, at::Tensor& values,
   p.start = start;
   p.positions = positions ? positions->const_data_ptr() : nullptr;
   p.pos_stride = (positions && positions->dim() == 1) ? positions->stride(0) : 0;
+  p.length = length.mutable_data_ptr<int32_t>();
+  p.num_lengths = length.numel();
 
   const int64_t units = g.chunk * p.units_per_row;
   const int threads = static_cast<int>(
@@ -172,7 +195,6 @@ void write_both(at::Tensor& keys, at::Tensor& values,
                     g.batch, " * ", g.heads);
   const int64_t grid_y = std::min<int64_t>(kMaxGridY, (units + threads - 1) / threads);
 
-  const c10::cuda::CUDAGuard guard(keys.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (positions != nullptr && positions->scalar_type() == at::kInt) {
     launch<int32_t>(p, unit, grid_x, grid_y, threads, stream);
@@ -181,24 +203,30 @@ void write_both(at::Tensor& keys, at::Tensor& values,
   }
 }
 
-void update_cuda(at::Tensor& keys, at::Tensor& values,
-                 const at::Tensor& keys_new, const at::Tensor& values_new,
-                 int64_t start) {
+at::Tensor update_cuda(at::Tensor& keys, at::Tensor& values,
+                       const at::Tensor& keys_new,
+                       const at::Tensor& values_new, int64_t start) {
   const auto g =
       detail::check_update_tensors(keys, values, keys_new, values_new);
   detail::check_start(start, g);
-  write_both(keys, values, keys_new, values_new, g, start, nullptr);
+  at::Tensor length = at::empty({}, keys.options().dtype(at::kInt));
+  write_both(keys, values, keys_new, values_new, g, start, nullptr, length);
+  return length;
 }
 
-void update_at_cuda(at::Tensor& keys, at::Tensor& values,
-                    const at::Tensor& keys_new, const at::Tensor& values_new,
-                    const at::Tensor& positions) {
+at::Tensor update_at_cuda(at::Tensor& keys, at::Tensor& values,
+                          const at::Tensor& keys_new,
+                          const at::Tensor& values_new,
+                          const at::Tensor& positions) {
   const auto g =
       detail::check_update_tensors(keys, values, keys_new, values_new);
   detail::check_positions_meta(positions, keys, g);
   // Values are not read on the host (that would be a sync); the kernel
   // guards them and writes nothing if any is out of range.
-  write_both(keys, values, keys_new, values_new, g, 0, &positions);
+  at::Tensor length =
+      at::empty(positions.sizes(), keys.options().dtype(at::kInt));
+  write_both(keys, values, keys_new, values_new, g, 0, &positions, length);
+  return length;
 }
 
 }  // namespace

@@ -79,6 +79,7 @@ def _update_fake(keys, values, keys_new, values_new, start):
         end <= keys.shape[2],
         lambda: f"KV cache overflow: end={end} exceeds max_len={keys.shape[2]}",
     )
+    return torch.empty((), dtype=torch.int32, device=keys.device)
 
 
 @torch.library.register_fake("kvcache::update_at_")
@@ -97,3 +98,4 @@ def _update_at_fake(keys, values, keys_new, values_new, positions):
         raise ValueError(
             f"positions must be on the cache's device ({keys.device}), got {positions.device}"
         )
+    return torch.empty(positions.shape, dtype=torch.int32, device=keys.device)

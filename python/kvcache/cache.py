@@ -135,25 +135,20 @@ def update_kv_layer_cache(
     if torch.jit.is_scripting():
         # TorchScript: the same calls, without the Python-only type checks.
         if isinstance(start, torch.Tensor):
-            torch.ops.kvcache.update_at_(cache.keys, cache.values, keys_new, values_new, start)
-            length = (start + keys_new.shape[2]).to(torch.int32)
+            length = torch.ops.kvcache.update_at_(cache.keys, cache.values, keys_new, values_new, start)
         else:
-            torch.ops.kvcache.update_(cache.keys, cache.values, keys_new, values_new, start)
-            length = torch.full([], start + keys_new.shape[2], dtype=torch.int32, device=cache.keys.device)
+            length = torch.ops.kvcache.update_(cache.keys, cache.values, keys_new, values_new, start)
         return KVLayerCache(cache.keys, cache.values, length)
     if not isinstance(cache, KVLayerCache):
         raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
     keys, values = cache.keys, cache.values
+    # The op returns the new length too: one dispatch (one CUDA launch) per update.
     if isinstance(start, torch.Tensor):
-        _update_at_op(keys, values, keys_new, values_new, start)
-        length = start + keys_new.shape[2]
-        if length.dtype != torch.int32:  # int32 positions skip this extra kernel
-            length = length.to(torch.int32)
+        length = _update_at_op(keys, values, keys_new, values_new, start)
     else:
         if not isinstance(start, (int, torch.SymInt)) or isinstance(start, bool):
             start = _as_int("start", start)
-        _update_op(keys, values, keys_new, values_new, start)
-        length = torch.full((), start + keys_new.shape[2], dtype=torch.int32, device=keys.device)
+        length = _update_op(keys, values, keys_new, values_new, start)
     return KVLayerCache(keys, values, length)
 
 

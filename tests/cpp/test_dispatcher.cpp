@@ -23,10 +23,10 @@ std::string schema_of(const char* name) {
 TEST_CASE("schemas are registered with mutation annotations", "[dispatcher]") {
   REQUIRE(schema_of("kvcache::update_") ==
           "kvcache::update_(Tensor(a!) keys, Tensor(b!) values, Tensor keys_new, "
-          "Tensor values_new, SymInt start) -> ()");
+          "Tensor values_new, SymInt start) -> Tensor");
   REQUIRE(schema_of("kvcache::update_at_") ==
           "kvcache::update_at_(Tensor(a!) keys, Tensor(b!) values, Tensor keys_new, "
-          "Tensor values_new, Tensor positions) -> ()");
+          "Tensor values_new, Tensor positions) -> Tensor");
   REQUIRE(schema_of("kvcache::init_layer_cache") ==
           "kvcache::init_layer_cache(SymInt batch_size, SymInt num_kv_heads, SymInt head_dim, "
           "SymInt max_len, *, ScalarType? dtype=None, Device? device=None) -> "
@@ -50,7 +50,9 @@ TEST_CASE("a boxed call through the dispatcher writes both buffers", "[dispatche
   auto vn = at::randn({1, 2, 2, 4});
   torch::jit::Stack stack{keys, values, kn, vn, c10::IValue(int64_t{3})};
   op.callBoxed(&stack);
-  REQUIRE(stack.empty());  // returns ()
+  REQUIRE(stack.size() == 1);  // returns the new length, start + chunk
+  REQUIRE(stack[0].toTensor().scalar_type() == at::kInt);
+  REQUIRE(stack[0].toTensor().item<int32_t>() == 5);
   REQUIRE(at::equal(keys.narrow(2, 3, 2), kn));
   REQUIRE(at::equal(values.narrow(2, 3, 2), vn));
   REQUIRE(keys.narrow(2, 0, 3).count_nonzero().item<int64_t>() == 0);

@@ -154,12 +154,16 @@ def test_update_ops_directly():
     cache = make_cache()
     kn, vn = new_kv(2)
     exp_k, exp_v = reference_update(cache.keys, cache.values, kn, vn, 4)
-    assert torch.ops.kvcache.update_(cache.keys, cache.values, kn, vn, 4) is None
+    length = torch.ops.kvcache.update_(cache.keys, cache.values, kn, vn, 4)
+    assert length.dtype == torch.int32 and length.shape == () and int(length) == 6
     assert_same(cache.keys, exp_k)
     assert_same(cache.values, exp_v)
     kn2, vn2 = new_kv(1, seed=9)
     exp_k, exp_v = reference_update(cache.keys, cache.values, kn2, vn2, [7, 2])
-    assert torch.ops.kvcache.update_at_(cache.keys, cache.values, kn2, vn2, torch.tensor([7, 2])) is None
+    positions = torch.tensor([7, 2])
+    length = torch.ops.kvcache.update_at_(cache.keys, cache.values, kn2, vn2, positions)
+    assert length.dtype == torch.int32 and length.tolist() == [8, 3]
+    assert length.data_ptr() != positions.data_ptr()  # a new tensor, aliasing no input
     assert_same(cache.keys, exp_k)
     assert_same(cache.values, exp_v)
 

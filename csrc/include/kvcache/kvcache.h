@@ -47,14 +47,18 @@ KVCACHE_API std::tuple<at::Tensor, at::Tensor, at::Tensor> init_layer_cache(
 /// chunk, head_dim) into keys / values at [start, start + chunk) of dim 2, in
 /// place. Throws c10::ValueError ("KV cache overflow: ...", shape, device or
 /// aliasing errors) or c10::TypeError (dtype mismatch) before any write.
-KVCACHE_API void update_(at::Tensor& keys, at::Tensor& values, const at::Tensor& keys_new,
-             const at::Tensor& values_new, int64_t start);
+/// Returns the new length, start + chunk, as an int32 0-D tensor.
+KVCACHE_API at::Tensor update_(at::Tensor& keys, at::Tensor& values,
+                               const at::Tensor& keys_new,
+                               const at::Tensor& values_new, int64_t start);
 
 /// kvcache::update_at_: as update_, with the start read on the device from
 /// `positions` (int32/int64, 0-D or (batch,)). No host synchronization.
-KVCACHE_API void update_at_(at::Tensor& keys, at::Tensor& values,
-                const at::Tensor& keys_new, const at::Tensor& values_new,
-                const at::Tensor& positions);
+/// Returns positions + chunk as int32, of the positions' shape.
+KVCACHE_API at::Tensor update_at_(at::Tensor& keys, at::Tensor& values,
+                                  const at::Tensor& keys_new,
+                                  const at::Tensor& values_new,
+                                  const at::Tensor& positions);
 
 // ---- The API of the original module ---------------------------------------
 
