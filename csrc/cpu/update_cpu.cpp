@@ -105,10 +105,10 @@ at::Tensor update_cpu(at::Tensor& keys, at::Tensor& values,
   const auto g =
       detail::check_update_tensors(keys, values, keys_new, values_new);
   detail::check_start(start, g);
-  write_both(keys, values, keys_new, values_new, g,
-             [start](int64_t) { return start; });
   at::Tensor length = at::empty({}, keys.options().dtype(at::kInt));
   *length.mutable_data_ptr<int32_t>() = static_cast<int32_t>(start + g.chunk);
+  write_both(keys, values, keys_new, values_new, g,
+             [start](int64_t) { return start; });
   return length;
 }
 
@@ -136,15 +136,15 @@ at::Tensor update_at_cpu(at::Tensor& keys, at::Tensor& values,
   const auto pos = positions.scalar_type() == at::kInt
                        ? read_positions<int32_t>(positions)
                        : read_positions<int64_t>(positions);
-  const bool shared = positions.dim() == 0;  // one start for every row
-  write_both(keys, values, keys_new, values_new, g,
-             [&pos, shared](int64_t b) { return shared ? pos[0] : pos[b]; });
   at::Tensor length =
       at::empty(positions.sizes(), keys.options().dtype(at::kInt));
   int32_t* out = length.mutable_data_ptr<int32_t>();
   for (size_t i = 0; i < pos.size(); ++i) {
     out[i] = static_cast<int32_t>(pos[i] + g.chunk);
   }
+  const bool shared = positions.dim() == 0;  // one start for every row
+  write_both(keys, values, keys_new, values_new, g,
+             [&pos, shared](int64_t b) { return shared ? pos[0] : pos[b]; });
   return length;
 }
 
