@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up a fresh machine for kvcache: system packages (Debian), a virtual
 # environment in .venv with torch==2.13.0 (CPU), and an editable build.
-# Idempotent: a second run only rebuilds what changed.
+# Idempotent: a second run reinstalls nothing and rebuilds only if C++ changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,9 +35,22 @@ pip install -q --disable-pip-version-check "$TORCH_SPEC" numpy "setuptools>=69" 
   "pybind11>=2.12" ninja pytest expecttest tqdm matplotlib 2>&1 | grep -v "^WARNING: Location" || true
 python -c "import torch" >/dev/null  # fail here, clearly, if torch did not install
 
-echo "== building kvcache (pip install --no-build-isolation -e .)"
-start=$(date +%s)
-pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e . \
-  2>&1 | grep -v "^WARNING: Location" || true
-python -c "import kvcache; print('kvcache built:', kvcache.build_info())"
-echo "== build took $(( $(date +%s) - start ))s"
+# pip rebuilds every extension from scratch: skip it when the installed
+# editable build is newer than every C++ source and the build scripts.
+if python - <<'PY' 2>/dev/null; then
+import glob, os, sys
+import kvcache
+lib = os.path.getmtime(kvcache.library_path())
+inputs = [f for f in glob.glob("csrc/**/*", recursive=True) if os.path.isfile(f)]
+inputs += ["setup.py", "pyproject.toml"]
+sys.exit(0 if all(os.path.getmtime(f) <= lib for f in inputs) else 1)
+PY
+  echo "== kvcache is built and up to date"
+else
+  echo "== building kvcache (pip install --no-build-isolation -e .)"
+  start=$(date +%s)
+  pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e . \
+    2>&1 | grep -v "^WARNING: Location" || true
+  echo "== build took $(( $(date +%s) - start ))s"
+fi
+python -c "import kvcache; print('kvcache:', kvcache.build_info())"
