@@ -149,10 +149,12 @@ void check_positions_meta(const at::Tensor& positions, const at::Tensor& keys,
 
 namespace {
 template <typename T>
-void check_values(const at::Tensor& positions, const UpdateGeometry& g) {
+std::vector<int64_t> read_checked(const at::Tensor& positions,
+                                  const UpdateGeometry& g) {
   const T* p = positions.const_data_ptr<T>();
   const int64_t n = positions.numel();
   const int64_t stride = positions.dim() == 0 ? 0 : positions.stride(0);
+  std::vector<int64_t> out(n);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t start = static_cast<int64_t>(p[i * stride]);
     TORCH_CHECK_VALUE(start >= 0, "positions must be >= 0, got ", start,
@@ -161,17 +163,17 @@ void check_values(const at::Tensor& positions, const UpdateGeometry& g) {
     TORCH_CHECK_VALUE(end <= g.max_len, "KV cache overflow: end=", end,
                       " exceeds max_len=", g.max_len, " (positions[", i,
                       "]=", start, ", chunk=", g.chunk, ")");
+    out[i] = start;
   }
+  return out;
 }
 }  // namespace
 
-void check_positions_values_cpu(const at::Tensor& positions,
-                                const UpdateGeometry& g) {
-  if (positions.scalar_type() == at::kInt) {
-    check_values<int32_t>(positions, g);
-  } else {
-    check_values<int64_t>(positions, g);
-  }
+std::vector<int64_t> read_positions_cpu(const at::Tensor& positions,
+                                        const UpdateGeometry& g) {
+  return positions.scalar_type() == at::kInt
+             ? read_checked<int32_t>(positions, g)
+             : read_checked<int64_t>(positions, g);
 }
 
 }  // namespace detail

@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace kvcache {
 namespace detail {
@@ -38,10 +39,10 @@ void check_start(int64_t start, const UpdateGeometry& g);
 void check_positions_meta(const at::Tensor& positions, const at::Tensor& keys,
                           const UpdateGeometry& g);
 
-// Reads positions (on the CPU) and checks every value is in range. Returns
-// nothing; raises on the first bad value.
-void check_positions_values_cpu(const at::Tensor& positions,
-                                const UpdateGeometry& g);
+// Reads a CPU positions tensor (0-D or (batch,)), checks every value is in
+// range (raising on the first bad one), and returns the values as int64.
+std::vector<int64_t> read_positions_cpu(const at::Tensor& positions,
+                                        const UpdateGeometry& g);
 
 }  // namespace detail
 }  // namespace kvcache

@@ -112,19 +112,6 @@ at::Tensor update_cpu(at::Tensor& keys, at::Tensor& values,
   return length;
 }
 
-// All values of a 0-D or 1-D positions tensor, as int64.
-template <typename T>
-std::vector<int64_t> read_positions(const at::Tensor& positions) {
-  const int64_t n = positions.numel();
-  std::vector<int64_t> out(n);
-  const T* p = positions.const_data_ptr<T>();
-  const int64_t stride = positions.dim() == 0 ? 0 : positions.stride(0);
-  for (int64_t i = 0; i < n; ++i) {
-    out[i] = static_cast<int64_t>(p[i * stride]);
-  }
-  return out;
-}
-
 at::Tensor update_at_cpu(at::Tensor& keys, at::Tensor& values,
                          const at::Tensor& keys_new,
                          const at::Tensor& values_new,
@@ -132,10 +119,7 @@ at::Tensor update_at_cpu(at::Tensor& keys, at::Tensor& values,
   const auto g =
       detail::check_update_tensors(keys, values, keys_new, values_new);
   detail::check_positions_meta(positions, keys, g);
-  detail::check_positions_values_cpu(positions, g);
-  const auto pos = positions.scalar_type() == at::kInt
-                       ? read_positions<int32_t>(positions)
-                       : read_positions<int64_t>(positions);
+  const auto pos = detail::read_positions_cpu(positions, g);
   at::Tensor length =
       at::empty(positions.sizes(), keys.options().dtype(at::kInt));
   int32_t* out = length.mutable_data_ptr<int32_t>();

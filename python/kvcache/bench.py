@@ -35,17 +35,13 @@ from torch.utils import benchmark
 import kvcache
 from kvcache import cache as cache_mod
 from kvcache.models import decoder as decoder_mod
+from kvcache.demo import sync
 from kvcache.models import Decoder, greedy_generate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 # ---------------------------------------------------------------- timing ---
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure(fn: Callable[[], object], device: torch.device, min_run_time: float) -> Dict[str, float]:
