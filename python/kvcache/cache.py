@@ -15,12 +15,10 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from . import _library
 from ._torchscript import make_scriptable
 from .config import TransformerConfig
 
-_library.load()
-
+# The package's __init__ has loaded the operators (it runs before any submodule).
 _init_op = torch.ops.kvcache.init_layer_cache.default
 _update_op = torch.ops.kvcache.update_.default
 _update_at_op = torch.ops.kvcache.update_at_.default

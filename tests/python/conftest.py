@@ -51,6 +51,22 @@ def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
     assert torch.equal(as_bytes(a), as_bytes(b)), "tensors differ"
 
 
+def filled_cache(b, h, t, d, dtype=torch.float32, device="cpu", seed=100):
+    """A cache pre-filled with random data, so untouched regions are checked too."""
+    cache = kvcache.init_kv_layer_cache(b, h, d, t, dtype, device=device)
+    cache.keys.copy_(random_tensor((b, h, t, d), dtype, device, seed=seed))
+    cache.values.copy_(random_tensor((b, h, t, d), dtype, device, seed=seed + 1))
+    return cache
+
+
+def random_kv(b, h, chunk, d, dtype=torch.float32, device="cpu", seed=0):
+    """New keys and values (batch, heads, chunk, head_dim), different from each other."""
+    return (
+        random_tensor((b, h, chunk, d), dtype, device, seed=seed),
+        random_tensor((b, h, chunk, d), dtype, device, seed=seed + 1),
+    )
+
+
 def reference_update(keys, values, keys_new, values_new, starts):
     """Plain slicing on copies: the expected cache after an update.
 

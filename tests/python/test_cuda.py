@@ -8,7 +8,7 @@ from torch.library import opcheck
 
 import kvcache
 
-from conftest import ALL_DTYPES, assert_same, random_tensor, reference_update
+from conftest import ALL_DTYPES, assert_same, filled_cache, random_kv, random_tensor, reference_update
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and kvcache.build_info()["with_cuda"]),
@@ -19,14 +19,11 @@ B, H, T, D = 2, 3, 64, 64
 
 
 def cache_on_gpu(dtype=torch.float32, b=B, h=H, t=T, d=D):
-    c = kvcache.init_kv_layer_cache(b, h, d, t, dtype, device=DEV)
-    c.keys.copy_(random_tensor((b, h, t, d), dtype, DEV, seed=10))
-    c.values.copy_(random_tensor((b, h, t, d), dtype, DEV, seed=11))
-    return c
+    return filled_cache(b, h, t, d, dtype, DEV, seed=10)
 
 
 def new_kv(chunk, dtype=torch.float32, b=B, h=H, d=D, seed=0):
-    return random_tensor((b, h, chunk, d), dtype, DEV, seed), random_tensor((b, h, chunk, d), dtype, DEV, seed + 1)
+    return random_kv(b, h, chunk, d, dtype, DEV, seed=seed)
 
 
 def test_init_on_cuda():

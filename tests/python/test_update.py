@@ -7,24 +7,17 @@ import torch
 
 import kvcache
 
-from conftest import ALL_DTYPES, assert_same, random_tensor, reference_update
+from conftest import ALL_DTYPES, assert_same, filled_cache, random_kv, random_tensor, reference_update
 
 B, H, T, D = 2, 3, 16, 8
 
 
-def make_cache(dtype=torch.float32, b=B, h=H, t=T, d=D, seed=100):
-    """A cache pre-filled with random data, so untouched regions are checked too."""
-    cache = kvcache.init_kv_layer_cache(b, h, d, t, dtype)
-    cache.keys.copy_(random_tensor((b, h, t, d), dtype, seed=seed))
-    cache.values.copy_(random_tensor((b, h, t, d), dtype, seed=seed + 1))
-    return cache
+def make_cache(dtype=torch.float32, b=B, h=H, t=T, d=D):
+    return filled_cache(b, h, t, d, dtype)
 
 
 def new_kv(chunk, dtype=torch.float32, b=B, h=H, d=D, seed=0):
-    return (
-        random_tensor((b, h, chunk, d), dtype, seed=seed),
-        random_tensor((b, h, chunk, d), dtype, seed=seed + 1),
-    )
+    return random_kv(b, h, chunk, d, dtype, seed=seed)
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
