@@ -57,7 +57,8 @@ def _want_cuda() -> bool:
 
 def _op_library(with_cuda: bool):
     sources = sorted(glob.glob(os.path.join(CSRC, "*.cpp")))
-    sources += sorted(glob.glob(os.path.join(CSRC, "cpu", "*.cpp")))
+    for sub in ("core", "ops", "cpu"):
+        sources += sorted(glob.glob(os.path.join(CSRC, sub, "*.cpp")))
     # No -std flag: torch.utils.cpp_extension picks the standard its headers
     # need (C++20 for torch >= 2.13).
     # -fopenmp: at::parallel_for is inline in ATen's headers and runs
@@ -95,11 +96,12 @@ def _op_library(with_cuda: bool):
 
 
 def _python_module():
-    # Plain pybind11 (no torch headers): compiles in seconds.
+    # The pybind11 module: loads the op library and exposes its checks to
+    # the fake kernels (torch's pybind11 casters for Tensor and SymInt).
     return cpp_extension.CppExtension(
         "kvcache._C",
         [os.path.join(CSRC, "python", "module.cpp")],
-        include_dirs=[pybind11.get_include(), os.path.join(ROOT, CSRC, "include")],
+        include_dirs=[os.path.join(ROOT, CSRC), os.path.join(ROOT, CSRC, "include")],
         libraries=["kvcache"],
         runtime_library_dirs=["$ORIGIN"],
         extra_compile_args={"cxx": ["-O2", "-fvisibility=hidden"]},

@@ -1,4 +1,8 @@
 // The C++ API of include/kvcache/kvcache.h, calling through the dispatcher.
+//
+// Each typed handle must match its schema in csrc/schema.cpp: a mismatch
+// throws at the first call ("wrong signature"), and tests/cpp/test_api.cpp
+// calls every function here, so a drift fails the C++ tests.
 #include "kvcache/kvcache.h"
 
 #include <ATen/ATen.h>
@@ -8,32 +12,11 @@ namespace kvcache {
 namespace {
 
 // Looked up once: findSchemaOrThrow takes a lock and a hash lookup.
-const auto& init_op() {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("kvcache::init_layer_cache", "")
-          .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-              c10::SymInt, c10::SymInt, c10::SymInt, c10::SymInt,
-              std::optional<at::ScalarType>, std::optional<at::Device>)>();
-  return op;
-}
-
-const auto& update_op() {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("kvcache::update_", "")
-          .typed<at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, c10::SymInt)>();
-  return op;
-}
-
-const auto& update_at_op() {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("kvcache::update_at_", "")
-          .typed<at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, const at::Tensor&)>();
-  return op;
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> typed(const char* name, const char* overload) {
+  return c10::Dispatcher::singleton()
+      .findSchemaOrThrow(name, overload)
+      .template typed<Sig>();
 }
 
 }  // namespace
@@ -41,22 +24,66 @@ const auto& update_at_op() {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> init_layer_cache(
     int64_t batch_size, int64_t num_kv_heads, int64_t head_dim,
     int64_t max_len, at::ScalarType dtype, c10::Device device) {
-  return init_op().call(c10::SymInt(batch_size), c10::SymInt(num_kv_heads),
-                        c10::SymInt(head_dim), c10::SymInt(max_len), dtype,
-                        device);
+  static const auto op = typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+      c10::SymInt, c10::SymInt, c10::SymInt, c10::SymInt,
+      std::optional<at::ScalarType>, std::optional<at::Device>)>(
+      "kvcache::init_layer_cache", "");
+  return op.call(c10::SymInt(batch_size), c10::SymInt(num_kv_heads),
+                 c10::SymInt(head_dim), c10::SymInt(max_len), dtype, device);
 }
 
 at::Tensor update_(at::Tensor& keys, at::Tensor& values,
                    const at::Tensor& keys_new, const at::Tensor& values_new,
                    int64_t start) {
-  return update_op().call(keys, values, keys_new, values_new,
-                          c10::SymInt(start));
+  static const auto op =
+      typed<at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor&,
+                       const at::Tensor&, c10::SymInt)>("kvcache::update_", "");
+  return op.call(keys, values, keys_new, values_new, c10::SymInt(start));
 }
 
-at::Tensor update_at_(at::Tensor& keys, at::Tensor& values,
-                      const at::Tensor& keys_new, const at::Tensor& values_new,
-                      const at::Tensor& positions) {
-  return update_at_op().call(keys, values, keys_new, values_new, positions);
+at::Tensor update_(at::Tensor& keys, at::Tensor& values,
+                   const at::Tensor& keys_new, const at::Tensor& values_new,
+                   const at::Tensor& start) {
+  static const auto op =
+      typed<at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor&,
+                       const at::Tensor&, const at::Tensor&)>(
+          "kvcache::update_", "Tensor");
+  return op.call(keys, values, keys_new, values_new, start);
+}
+
+void append_(at::Tensor& keys, at::Tensor& values, at::Tensor& lengths,
+             const at::Tensor& keys_new, const at::Tensor& values_new) {
+  static const auto op =
+      typed<void(at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
+                 const at::Tensor&)>("kvcache::append_", "");
+  op.call(keys, values, lengths, keys_new, values_new);
+}
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& keys,
+                  const at::Tensor& values, const at::Tensor& lengths,
+                  const AttendOptions& options) {
+  static const auto op = typed<at::Tensor(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&,
+      const at::Tensor&, const std::optional<at::Tensor>&,
+      std::optional<double>, int64_t, double)>("kvcache::attend", "");
+  return op.call(q, keys, values, lengths, options.kv_start, options.scale,
+                 options.window, options.softcap);
+}
+
+void rollback_(at::Tensor& lengths, const at::Tensor& n,
+               const std::optional<at::Tensor>& kv_start) {
+  static const auto op =
+      typed<void(at::Tensor&, const at::Tensor&,
+                 const std::optional<at::Tensor>&)>("kvcache::rollback_", "");
+  op.call(lengths, n, kv_start);
+}
+
+void select_rows_(at::Tensor& keys, at::Tensor& values, at::Tensor& lengths,
+                  const at::Tensor& index) {
+  static const auto op =
+      typed<void(at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&)>(
+          "kvcache::select_rows_", "");
+  op.call(keys, values, lengths, index);
 }
 
 KVLayerCache init_kv_layer_cache(int64_t batch_size, int64_t num_kv_heads,
@@ -79,10 +106,22 @@ KVLayerCache update_kv_layer_cache(const KVLayerCache& cache,
 KVLayerCache update_kv_layer_cache(const KVLayerCache& cache,
                                    const at::Tensor& keys_new,
                                    const at::Tensor& values_new,
-                                   const at::Tensor& positions) {
+                                   const at::Tensor& start) {
   KVLayerCache out = cache;
-  out.length = update_at_(out.keys, out.values, keys_new, values_new, positions);
+  out.length = update_(out.keys, out.values, keys_new, values_new, start);
   return out;
+}
+
+void append_kv_layer_cache(const KVLayerCache& cache,
+                           const at::Tensor& keys_new,
+                           const at::Tensor& values_new) {
+  KVLayerCache c = cache;  // the same tensors: written in place
+  append_(c.keys, c.values, c.length, keys_new, values_new);
+}
+
+at::Tensor attend(const at::Tensor& q, const KVLayerCache& cache,
+                  const AttendOptions& options) {
+  return attend(q, cache.keys, cache.values, cache.length, options);
 }
 
 std::vector<KVLayerCache> init_decoder_kv_caches(

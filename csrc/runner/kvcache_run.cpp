@@ -3,8 +3,8 @@
 //   kvcache_run MODEL.pt PROMPT.pt NEW_TOKENS OUT.pt
 //
 // MODEL.pt is a scripted kvcache.models.StatefulDecoder (or any module with
-// forward(tokens: Tensor[B, S] int64, start: Tensor[] int32) -> logits
-// Tensor[B, S, V] that keeps its own KV cache). PROMPT.pt holds a (B, S)
+// forward(tokens: Tensor[B, S] int64) -> logits Tensor[B, S, V] that keeps
+// its own KV cache and advances it). PROMPT.pt holds a (B, S)
 // int64 tensor saved with torch.save. OUT.pt receives, readable with
 // torch.load, a tuple (tokens (B, NEW_TOKENS) int64, logits (B, NEW_TOKENS, V)
 // float32): the greedy tokens and the logits that chose them.
@@ -48,7 +48,7 @@ int main(int argc, char** argv) {
     const long new_tokens = std::stol(argv[3]);
     if (new_tokens < 1) throw std::invalid_argument("NEW_TOKENS must be >= 1");
 
-    if (!c10::Dispatcher::singleton().findSchema({"kvcache::update_at_", ""})) {
+    if (!c10::Dispatcher::singleton().findSchema({"kvcache::append_", ""})) {
       throw std::runtime_error("kvcache operators are not registered (link with --no-as-needed)");
     }
     torch::jit::Module model = torch::jit::load(model_path);
@@ -59,8 +59,7 @@ int main(int argc, char** argv) {
     }
 
     torch::InferenceMode guard;
-    const auto int32 = at::TensorOptions().dtype(at::kInt);
-    at::Tensor logits = model.forward({prompt, at::zeros({}, int32)}).toTensor();
+    at::Tensor logits = model.forward({prompt}).toTensor();
     at::Tensor last = logits.select(1, -1);
     std::vector<at::Tensor> tokens, chosen;
     for (long step = 0; step < new_tokens; ++step) {
@@ -68,8 +67,7 @@ int main(int argc, char** argv) {
       tokens.push_back(token);
       chosen.push_back(last);
       if (step + 1 == new_tokens) break;
-      at::Tensor start = at::full({}, prompt.size(1) + step, int32);
-      logits = model.forward({token.unsqueeze(1), start}).toTensor();
+      logits = model.forward({token.unsqueeze(1)}).toTensor();
       last = logits.select(1, 0);
     }
     // A plain tuple, so torch.load(weights_only=True) reads it.

@@ -4,6 +4,8 @@ Importing the package loads the compiled operators (``torch.ops.kvcache.*``)
 and registers their fake kernels for ``torch.compile`` and ``torch.export``.
 """
 
+import torch  # noqa: F401  (loads libtorch before the op library)
+
 from . import _library
 
 _library.load()
@@ -12,16 +14,21 @@ from . import _fake  # noqa: E402,F401  (registers the fake kernels)
 from ._library import include_path, library_path  # noqa: E402
 from .cache import (  # noqa: E402
     KVLayerCache,
+    append_kv_layer_cache,
+    attend,
     init_decoder_kv_caches,
     init_decoder_kv_caches_from_config,
     init_kv_layer_cache,
+    reset_kv_layer_cache_rows,
+    rollback_kv_layer_cache,
+    select_kv_layer_cache_rows,
     update_kv_layer_cache,
 )
 from .config import TransformerConfig  # noqa: E402
 
 
 def build_info() -> dict:
-    """Returns how the op library was built.
+    """Returns how the loaded op library was built.
 
     Returns:
         dict with ``with_cuda`` (bool), ``torch_version``, ``cuda_version``
@@ -35,12 +42,17 @@ def build_info() -> dict:
 __all__ = [
     "KVLayerCache",
     "TransformerConfig",
+    "append_kv_layer_cache",
+    "attend",
     "build_info",
     "include_path",
     "init_decoder_kv_caches",
     "init_decoder_kv_caches_from_config",
     "init_kv_layer_cache",
     "library_path",
+    "reset_kv_layer_cache_rows",
+    "rollback_kv_layer_cache",
+    "select_kv_layer_cache_rows",
     "update_kv_layer_cache",
 ]
 __version__ = "0.1.0"

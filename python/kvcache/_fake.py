@@ -1,101 +1,63 @@
-"""Fake (meta) kernels: shapes and checks for torch.compile / torch.export.
+"""Fake kernels: what torch.compile / torch.export see while tracing.
 
-They mirror the metadata checks of ``csrc/validate.cpp`` so that a traced
-program raises the same errors as eager; values of device positions cannot be
-checked while tracing (there are none), so those are checked by the kernels.
+Each fake runs the operator's own C++ checks (``csrc/ops/*``, through
+``kvcache._C``) on the fake tensors, then allocates outputs of the right
+shape, dtype, device and strides. The checks read sizes as symbols, so a
+traced program raises the same exception, with the same message, as eager
+code. Values that only exist at run time (the entries of a device start or
+lengths tensor) are checked by the kernels when the program runs.
 """
 
 from __future__ import annotations
 
 import torch
 
-_INT_POS_DTYPES = (torch.int32, torch.int64)
+from . import _C
+
+_lib = "kvcache::"
 
 
-def _check_update_meta(keys, values, keys_new, values_new) -> None:
-    for name, t in (
-        ("keys", keys),
-        ("values", values),
-        ("keys_new", keys_new),
-        ("values_new", values_new),
-    ):
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name} must be a 4-D tensor, got {t.dim()}-D shape {tuple(t.shape)}"
-            )
-    if values.shape != keys.shape:
-        raise ValueError(
-            f"values must have the same shape as keys {tuple(keys.shape)}, "
-            f"got {tuple(values.shape)}"
-        )
-    b, h, _, d = keys.shape
-    if keys_new.shape[0] != b or keys_new.shape[1] != h or keys_new.shape[3] != d:
-        raise ValueError(
-            f"keys_new must have shape (batch={b}, num_kv_heads={h}, chunk, "
-            f"head_dim={d}) to match the cache, got {tuple(keys_new.shape)}"
-        )
-    if values_new.shape != keys_new.shape:
-        raise ValueError(
-            "values_new must have the same shape as keys_new "
-            f"{tuple(keys_new.shape)}, got {tuple(values_new.shape)}"
-        )
-    for name, t in (("values", values), ("keys_new", keys_new), ("values_new", values_new)):
-        if t.dtype != keys.dtype:
-            raise TypeError(
-                f"{name} must have the cache dtype {keys.dtype} (no implicit "
-                f"casts), got {t.dtype}"
-            )
-        if t.device != keys.device:
-            raise ValueError(
-                f"{name} must be on the cache's device ({keys.device}), got {t.device}"
-            )
-
-
-@torch.library.register_fake("kvcache::init_layer_cache")
+@torch.library.register_fake(_lib + "init_layer_cache")
 def _init_layer_cache_fake(batch_size, num_kv_heads, head_dim, max_len, *, dtype=None, device=None):
-    for name, v in (
-        ("batch_size", batch_size),
-        ("num_kv_heads", num_kv_heads),
-        ("head_dim", head_dim),
-        ("max_len", max_len),
-    ):
-        torch._check_with(ValueError, v >= 0, lambda n=name, x=v: f"{n} must be >= 0, got {x}")
+    _C.check_init(batch_size, num_kv_heads, head_dim, max_len, dtype)
     dtype = dtype if dtype is not None else torch.get_default_dtype()
     device = device if device is not None else torch.device("cpu")
     shape = (batch_size, num_kv_heads, max_len, head_dim)
     keys = torch.empty(shape, dtype=dtype, device=device)
     values = torch.empty(shape, dtype=dtype, device=device)
-    length = torch.empty((), dtype=torch.int32, device=device)
-    return keys, values, length
+    return keys, values, torch.empty((), dtype=torch.int32, device=device)
 
 
-@torch.library.register_fake("kvcache::update_")
+@torch.library.register_fake(_lib + "update_")
 def _update_fake(keys, values, keys_new, values_new, start):
-    _check_update_meta(keys, values, keys_new, values_new)
-    torch._check_with(ValueError, start >= 0, lambda: f"start must be >= 0, got {start}")
-    end = start + keys_new.shape[2]
-    torch._check_with(
-        ValueError,
-        end <= keys.shape[2],
-        lambda: f"KV cache overflow: end={end} exceeds max_len={keys.shape[2]}",
-    )
-    return torch.empty((), dtype=torch.int32, device=keys.device)
+    _C.check_update(keys, values, keys_new, values_new, start)
+    return keys.new_empty((), dtype=torch.int32)
 
 
-@torch.library.register_fake("kvcache::update_at_")
-def _update_at_fake(keys, values, keys_new, values_new, positions):
-    _check_update_meta(keys, values, keys_new, values_new)
-    if positions.dtype not in _INT_POS_DTYPES:
-        raise TypeError(
-            f"positions must be an int32 or int64 tensor, got dtype {positions.dtype}"
-        )
-    if not (positions.dim() == 0 or (positions.dim() == 1 and positions.shape[0] == keys.shape[0])):
-        raise ValueError(
-            "positions must be a 0-D tensor (one start for every row) or have "
-            f"shape (batch={keys.shape[0]},), got shape {tuple(positions.shape)}"
-        )
-    if positions.device != keys.device:
-        raise ValueError(
-            f"positions must be on the cache's device ({keys.device}), got {positions.device}"
-        )
-    return torch.empty(positions.shape, dtype=torch.int32, device=keys.device)
+@torch.library.register_fake(_lib + "update_.Tensor")
+def _update_tensor_fake(keys, values, keys_new, values_new, start):
+    _C.check_update_tensor(keys, values, keys_new, values_new, start)
+    return keys.new_empty(start.shape, dtype=torch.int32)
+
+
+@torch.library.register_fake(_lib + "append_")
+def _append_fake(keys, values, lengths, keys_new, values_new):
+    _C.check_append(keys, values, lengths, keys_new, values_new)
+
+
+@torch.library.register_fake(_lib + "attend")
+def _attend_fake(q, keys, values, lengths, *, kv_start=None, scale=None, window=0, softcap=0.0):
+    _C.check_attend(q, keys, values, lengths, kv_start, scale, window, softcap)
+    b, h, s, d = q.shape
+    # (batch, seq, heads, head_dim) memory, as the kernels allocate it.
+    return q.new_empty((b, s, h, d)).transpose(1, 2)
+
+
+@torch.library.register_fake(_lib + "rollback_")
+def _rollback_fake(lengths, n, *, kv_start=None):
+    _C.check_rollback(lengths, n, kv_start)
+
+
+@torch.library.register_fake(_lib + "select_rows_")
+def _select_rows_fake(keys, values, lengths, index):
+    _C.check_select_rows(keys, values, lengths, index)

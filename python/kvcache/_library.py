@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 _LIB_DIR = os.path.dirname(os.path.abspath(__file__))
 _LIB_NAME = "libkvcache.so"
 
@@ -39,11 +37,13 @@ def include_path() -> str:
         Absolute path to add to a C++ program's include path. It exists in a
         source checkout (``csrc/include``) or an installed package
         (``kvcache/include``).
+
+    Raises:
+        FileNotFoundError: If neither exists.
     """
-    here = os.path.dirname(os.path.abspath(__file__))
     for candidate in (
-        os.path.join(here, "include"),
-        os.path.join(here, os.pardir, os.pardir, "csrc", "include"),
+        os.path.join(_LIB_DIR, "include"),
+        os.path.join(_LIB_DIR, os.pardir, os.pardir, "csrc", "include"),
     ):
         if os.path.exists(os.path.join(candidate, "kvcache", "kvcache.h")):
             return os.path.abspath(candidate)
@@ -53,10 +53,9 @@ def include_path() -> str:
 def load() -> None:
     """Loads the op library, registering ``torch.ops.kvcache.*``.
 
-    Loading the same file again is a no-op; loading a second copy of the
-    library (another build of it) would fail with a duplicate-registration
-    error, so a process should use one build only.
+    Importing ``kvcache._C`` loads ``libkvcache.so`` (the module links it),
+    whose static initializers register the operators. A process must not
+    also load another build of the library (``torch.ops.load_library`` of a
+    CMake build): the second ``TORCH_LIBRARY(kvcache)`` fails to register.
     """
-    if hasattr(torch.ops.kvcache, "update_"):
-        return
-    torch.ops.load_library(library_path())
+    from . import _C  # noqa: F401

@@ -82,7 +82,7 @@ def decode_methods(b, h, d, max_len, dtype, device, pos=100):
     cache = kvcache.KVLayerCache(keys, values, torch.zeros((), dtype=torch.int32, device=device))
     pos_t = torch.tensor([pos], device=device)
     pos_0d = torch.tensor(pos, device=device)
-    update, update_at = torch.ops.kvcache.update_.default, torch.ops.kvcache.update_at_.default
+    update, update_at = torch.ops.kvcache.update_.default, torch.ops.kvcache.update_.Tensor
 
     def index_put():
         keys[:, :, pos_t] = k
@@ -99,7 +99,7 @@ def decode_methods(b, h, d, max_len, dtype, device, pos=100):
         "kvcache API (int pos)": lambda: kvcache.update_kv_layer_cache(cache, k, v, pos),
         "kvcache API (tensor pos)": lambda: kvcache.update_kv_layer_cache(cache, k, v, pos_0d),
         "torch.ops.kvcache.update_": lambda: update(keys, values, k, v, pos),
-        "torch.ops.kvcache.update_at_": lambda: update_at(keys, values, k, v, pos_0d),
+        "torch.ops.kvcache.update_.Tensor": lambda: update_at(keys, values, k, v, pos_0d),
         "2x index_copy_ (HF)": lambda: (keys.index_copy_(2, pos_t, k), values.index_copy_(2, pos_t, v)),
         "2x slice copy_": lambda: (keys[:, :, pos : pos + 1].copy_(k), values[:, :, pos : pos + 1].copy_(v)),
         "index_put_ (gpt-fast)": index_put,
@@ -114,7 +114,7 @@ def cuda_graph_method(b, h, d, max_len, dtype, device, steps=64):
     k = torch.randn(b, h, 1, d, device=device).to(dtype)
     v = torch.randn(b, h, 1, d, device=device).to(dtype)
     pos = torch.zeros((), dtype=torch.int64, device=device)
-    op = torch.ops.kvcache.update_at_.default
+    op = torch.ops.kvcache.update_.Tensor
     s = torch.cuda.Stream(device)
     s.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(s):

@@ -21,7 +21,13 @@ from .config import TransformerConfig
 # The package's __init__ has loaded the operators (it runs before any submodule).
 _init_op = torch.ops.kvcache.init_layer_cache.default
 _update_op = torch.ops.kvcache.update_.default
-_update_at_op = torch.ops.kvcache.update_at_.default
+_update_tensor_op = torch.ops.kvcache.update_.Tensor
+_append_op = torch.ops.kvcache.append_.default
+_attend_op = torch.ops.kvcache.attend.default
+_rollback_op = torch.ops.kvcache.rollback_.default
+_select_rows_op = torch.ops.kvcache.select_rows_.default
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -77,7 +83,8 @@ def init_kv_layer_cache(
     Raises:
         TypeError: If a size is not an int or ``dtype`` is not a
             ``torch.dtype``.
-        ValueError: If a size is negative.
+        ValueError: If a size is negative, ``max_len`` is 2**31 or more
+            (lengths are int32), or the cache would not fit in 2**63 bytes.
     """
     sizes = []
     for name, v in (
@@ -86,7 +93,10 @@ def init_kv_layer_cache(
         ("head_dim", head_dim),
         ("max_len", max_len),
     ):
-        sizes.append(_as_int(name, v))
+        v = _as_int(name, v)
+        if not _INT64_MIN <= v <= _INT64_MAX:
+            raise ValueError(f"{name} must fit in int64 (and max_len in int32), got {v}")
+        sizes.append(v)
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
     dev = torch.device(device) if device is not None else None
@@ -126,14 +136,19 @@ def update_kv_layer_cache(
     Raises:
         ValueError: If ``start + chunk > cache.max_len``
             (``"KV cache overflow: end=E exceeds max_len=M"``), ``start`` is
-            negative, or shapes or devices do not match. Nothing is written.
+            negative, shapes or devices do not match, or the new data shares
+            memory with the rows it is written to. Nothing is written. On
+            CUDA a device ``start`` is checked by the kernel: if any row is
+            out of range nothing is written and every entry of the returned
+            ``length`` is -1 (check ``(cache.length >= 0).all()``).
         TypeError: If ``cache`` is not a :class:`KVLayerCache`, dtypes
             differ, or ``start`` is neither an int nor an integer tensor.
     """
     if torch.jit.is_scripting():
-        # TorchScript: the same calls, without the Python-only type checks.
+        # TorchScript: the same calls (the isinstance refines the Union),
+        # without the Python-only type checks.
         if isinstance(start, torch.Tensor):
-            length = torch.ops.kvcache.update_at_(cache.keys, cache.values, keys_new, values_new, start)
+            length = torch.ops.kvcache.update_(cache.keys, cache.values, keys_new, values_new, start)
         else:
             length = torch.ops.kvcache.update_(cache.keys, cache.values, keys_new, values_new, start)
         return KVLayerCache(cache.keys, cache.values, length)
@@ -142,10 +157,13 @@ def update_kv_layer_cache(
     keys, values = cache.keys, cache.values
     # The op returns the new length too: one dispatch (one CUDA launch) per update.
     if isinstance(start, torch.Tensor):
-        length = _update_at_op(keys, values, keys_new, values_new, start)
+        length = _update_tensor_op(keys, values, keys_new, values_new, start)
     else:
         if not isinstance(start, (int, torch.SymInt)) or isinstance(start, bool):
             start = _as_int("start", start)
+        if isinstance(start, int) and not _INT64_MIN <= start <= _INT64_MAX:
+            # The op takes int64: say what the user got wrong, not "expected int".
+            _raise_out_of_range_start(start, keys_new, keys)
         length = _update_op(keys, values, keys_new, values_new, start)
     return KVLayerCache(keys, values, length)
 
@@ -227,6 +245,211 @@ def init_decoder_kv_caches_from_config(
         dtype=dtype,
         device=device,
     )
+
+
+def append_kv_layer_cache(cache: KVLayerCache, keys_new: torch.Tensor, values_new: torch.Tensor) -> KVLayerCache:
+    """Writes new keys/values at ``cache.length`` and advances it, in place.
+
+    The stateful counterpart of :func:`update_kv_layer_cache`: one operator
+    call writes both buffers at each row's current length and adds ``chunk``
+    to ``cache.length`` in place, so the length tensor keeps its address
+    (CUDA graphs, module buffers) and no position has to be tracked outside.
+
+    Args:
+        cache: :class:`KVLayerCache` whose ``length`` (int32/int64, 0-D or
+            ``(batch,)``) is the position to write at; it is advanced.
+        keys_new: Keys ``(batch, num_kv_heads, chunk, head_dim)``.
+        values_new: Values of the same shape as ``keys_new``.
+
+    Returns:
+        ``cache`` itself (its ``length`` now ``length + chunk``).
+
+    Raises:
+        ValueError: If a row would overflow (``"KV cache overflow: ..."``),
+            shapes or devices do not match, or tensors share memory that is
+            written. Nothing is written. On CUDA, where the lengths are only
+            read on the device, an overflowing row instead makes the kernel
+            write nothing and set every length to -1.
+        TypeError: If dtypes differ.
+    """
+    if torch.jit.is_scripting():
+        torch.ops.kvcache.append_(cache.keys, cache.values, cache.length, keys_new, values_new)
+        return cache
+    if not isinstance(cache, KVLayerCache):
+        raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
+    _append_op(cache.keys, cache.values, cache.length, keys_new, values_new)
+    return cache
+
+
+def attend(
+    q: torch.Tensor,
+    cache: KVLayerCache,
+    kv_start: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
+    """Attention of new queries over the filled part of ``cache``.
+
+    (The options are not keyword-only so that TorchScript can compile it.)
+
+    Query ``i`` of row ``b`` sits at slot ``cache.length[b] - seq + i`` (the
+    queries are the last ``seq`` tokens written) and attends causally to the
+    slots from ``kv_start[b]`` up to itself. Slots outside
+    ``[kv_start[b], length[b])`` are never read: a decode step costs
+    O(filled slots), not O(capacity). Prefill, chunked prefill and decode are
+    the same call.
+
+    Args:
+        q: Queries ``(batch, num_heads, seq, head_dim)``, any strides, the
+            cache's dtype (float32, bfloat16 or float16); ``num_heads`` a
+            multiple of ``num_kv_heads`` (grouped-query attention).
+        cache: The layer's cache, already updated with this step's keys and
+            values.
+        kv_start: ``(batch,)`` int tensor: the first valid slot of each row
+            (left padding); ``None`` means 0.
+        scale: Score scale; ``None`` means ``head_dim ** -0.5``.
+        window: Sliding window: a query at slot ``p`` sees only
+            ``(p - window, p]``; ``None`` or 0 means no window.
+        softcap: Scores become ``softcap * tanh(score / softcap)`` (Gemma 2);
+            ``None`` or 0 means none.
+
+    Returns:
+        ``(batch, num_heads, seq, head_dim)`` tensor in ``q``'s dtype
+        (float32 accumulation). Queries that see no slot (left-padding
+        positions) get zeros. Its memory is ``(batch, seq, heads, head_dim)``,
+        so ``out.transpose(1, 2).reshape(batch, seq, -1)`` is free.
+
+    Raises:
+        ValueError: Shapes, devices or options that do not fit; on CPU,
+            lengths outside ``[seq, max_len]`` or ``kv_start`` outside
+            ``[0, length]``. On CUDA those rows get NaN output instead (no
+            read out of bounds).
+        TypeError: Unsupported or mismatched dtypes.
+    """
+    window_ = 0 if window is None else window
+    softcap_ = 0.0 if softcap is None else softcap
+    if torch.jit.is_scripting():
+        return torch.ops.kvcache.attend(
+            q, cache.keys, cache.values, cache.length, kv_start=kv_start, scale=scale, window=window_, softcap=softcap_
+        )
+    if not isinstance(cache, KVLayerCache):
+        raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
+    return _attend_op(
+        q,
+        cache.keys,
+        cache.values,
+        cache.length,
+        kv_start=kv_start,
+        scale=scale,
+        window=window_,
+        softcap=softcap_,
+    )
+
+
+def rollback_kv_layer_cache(
+    cache: KVLayerCache, n: Union[int, torch.Tensor], *, kv_start: Optional[torch.Tensor] = None
+) -> KVLayerCache:
+    """Drops the last ``n`` tokens of each row, in place (``length -= n``).
+
+    Nothing is copied: later writes overwrite the stale slots and
+    :func:`attend` never reads past ``length``. With per-row ``n`` this is
+    how batched speculative decoding rejects draft tokens.
+
+    Args:
+        cache: The cache; its ``length`` is changed in place.
+        n: Tokens to drop: an int (every row), or an int tensor on the
+            cache's device, 0-D or of ``length``'s shape.
+        kv_start: ``(batch,)`` first valid slot of each row; a row may not go
+            below it. ``None`` means 0.
+
+    Returns:
+        ``cache`` itself.
+
+    Raises:
+        ValueError: If ``n`` is negative or larger than a row holds (CPU;
+            nothing changes). On CUDA every length becomes -1 instead.
+        TypeError: If ``n`` is not an int or an integer tensor.
+    """
+    if not isinstance(cache, KVLayerCache):
+        raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
+    if not isinstance(n, torch.Tensor):
+        n = torch.tensor(_as_int("n", n), dtype=torch.int64, device=cache.length.device)
+    _rollback_op(cache.length, n, kv_start=kv_start)
+    return cache
+
+
+def select_kv_layer_cache_rows(cache: KVLayerCache, index: torch.Tensor) -> KVLayerCache:
+    """Row ``b`` takes the contents of row ``index[b]``, for every row, in place.
+
+    Beam-search reordering, forking one prompt into several samples, or
+    compacting a batch: keys, values and length of each row become those of
+    row ``index[b]`` (a permutation, repeats or any selection), the buffers
+    keep their addresses, and only the filled slots move (O(content)).
+
+    Args:
+        cache: The cache; changed in place. Its ``length`` is 0-D (every row
+            the same) or ``(batch,)``.
+        index: ``(batch,)`` int32/int64 tensor on the cache's device, each in
+            ``[0, batch)``.
+
+    Returns:
+        ``cache`` itself.
+
+    Raises:
+        ValueError: An index out of range (CPU; nothing changes; on CUDA
+            nothing is written and every length becomes -1), or shapes and
+            devices that do not fit.
+        TypeError: If ``index`` is not an integer tensor.
+    """
+    if not isinstance(cache, KVLayerCache):
+        raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
+    _select_rows_op(cache.keys, cache.values, cache.length, index)
+    return cache
+
+
+def reset_kv_layer_cache_rows(cache: KVLayerCache, rows: torch.Tensor) -> KVLayerCache:
+    """Empties the given rows (their ``length`` becomes 0), in place, in O(1) per row.
+
+    Nothing is zeroed: slots past a row's length are never read, and the next
+    write overwrites them. For continuous batching, where a finished row takes
+    a new request.
+
+    Args:
+        cache: The cache, with a per-row ``length`` of shape ``(batch,)``.
+        rows: A ``(batch,)`` bool mask, or an int tensor of row indices.
+
+    Returns:
+        ``cache`` itself.
+
+    Raises:
+        ValueError: If ``cache.length`` is 0-D (one length shared by every
+            row cannot be reset for some rows only).
+        TypeError: If ``rows`` is not a bool or integer tensor.
+    """
+    if not isinstance(cache, KVLayerCache):
+        raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
+    if cache.length.dim() != 1:
+        raise ValueError(
+            "reset_kv_layer_cache_rows needs a per-row length of shape (batch,), got a "
+            f"{cache.length.dim()}-D length: make it per-row with "
+            "length.expand(batch).clone() first"
+        )
+    if not isinstance(rows, torch.Tensor) or rows.is_floating_point() or rows.is_complex():
+        raise TypeError("rows must be a bool mask or an integer tensor of row indices")
+    if rows.dtype == torch.bool:
+        cache.length.masked_fill_(rows, 0)
+    else:
+        cache.length.index_fill_(0, rows, 0)
+    return cache
+
+
+def _raise_out_of_range_start(start: int, keys_new, keys) -> None:
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
+    chunk = keys_new.shape[2] if isinstance(keys_new, torch.Tensor) and keys_new.dim() == 4 else 0
+    max_len = keys.shape[2] if isinstance(keys, torch.Tensor) and keys.dim() == 4 else 0
+    raise ValueError(f"KV cache overflow: end={start + chunk} exceeds max_len={max_len}")
 
 
 def _as_int(name: str, value) -> int:

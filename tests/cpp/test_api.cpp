@@ -2,6 +2,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
 #include <vector>
 
 #include "catch.h"
@@ -145,12 +146,12 @@ TEST_CASE("errors are raised before anything is written", "[api][errors]") {
                       KV_CONTAINS("keys_new must be a 4-D tensor"));
   REQUIRE_THROWS_AS(kvcache::update_kv_layer_cache(cache, kn, vn, at::tensor({0, 14})), c10::ValueError);
   REQUIRE_THROWS_WITH(kvcache::update_kv_layer_cache(cache, kn, vn, at::tensor({0, 14})),
-                      KV_CONTAINS("KV cache overflow: end=17 exceeds max_len=16 (positions[1]=14"));
+                      KV_CONTAINS("KV cache overflow: end=17 exceeds max_len=16 (start[1]=14"));
   REQUIRE_THROWS_WITH(kvcache::update_kv_layer_cache(cache, kn, vn, at::tensor({-2, 0})),
-                      KV_CONTAINS("positions must be >= 0"));
+                      KV_CONTAINS("start must be >= 0"));
   REQUIRE_THROWS_AS(kvcache::update_kv_layer_cache(cache, kn, vn, at::tensor(1.0)), c10::TypeError);
   REQUIRE_THROWS_WITH(kvcache::update_kv_layer_cache(cache, kn, vn, at::zeros({3}, at::kLong)),
-                      KV_CONTAINS("positions must be a 0-D tensor"));
+                      KV_CONTAINS("start must be a 0-D tensor"));
   REQUIRE_THROWS_WITH(kvcache::update_(cache.keys, cache.keys, kn, vn, 0),
                       KV_CONTAINS("keys and values must not share memory"));
   REQUIRE_THROWS_AS(kvcache::init_kv_layer_cache(-1, H, D, T, at::kFloat), c10::ValueError);
@@ -168,4 +169,44 @@ TEST_CASE("init_decoder_kv_caches gives distinct caches", "[api]") {
     REQUIRE_FALSE(caches[i].keys.is_alias_of(caches[0].keys));
   }
   REQUIRE_THROWS_AS(kvcache::init_decoder_kv_caches(-1, B, H, D, T, at::kFloat), c10::ValueError);
+}
+
+// Calls every function of the header (a typed handle whose signature drifted
+// from csrc/schema.cpp throws here), each against plain ATen.
+TEST_CASE("append_, attend, rollback_ and select_rows_ through the C++ API", "[api]") {
+  auto cache = kvcache::init_kv_layer_cache(2, 2, 8, 16, at::kFloat);
+  cache.length = at::zeros({2}, at::kInt);
+  auto k = at::randn({2, 2, 5, 8}), v = at::randn({2, 2, 5, 8});
+  kvcache::append_kv_layer_cache(cache, k, v);
+  REQUIRE(at::equal(cache.length, at::full({2}, 5, at::kInt)));
+  REQUIRE(at::equal(cache.keys.narrow(2, 0, 5), k));
+  auto k1 = at::randn({2, 2, 1, 8}), v1 = at::randn({2, 2, 1, 8});
+  kvcache::append_(cache.keys, cache.values, cache.length, k1, v1);
+  REQUIRE(at::equal(cache.values.narrow(2, 5, 1), v1));
+
+  // attend: 4 query heads over 2 KV heads, the last 2 positions, causal.
+  auto q = at::randn({2, 4, 2, 8});
+  auto out = kvcache::attend(q, cache);
+  auto keys = at::cat({k, k1}, 2).repeat_interleave(2, 1);  // (2, 4, 6, 8)
+  auto values = at::cat({v, v1}, 2).repeat_interleave(2, 1);
+  auto scores = at::matmul(q, keys.transpose(2, 3)) / std::sqrt(8.0);
+  auto mask = at::ones({2, 6}, at::kBool).tril(4);  // query i sits at slot 4 + i
+  auto ref = at::matmul(scores.masked_fill(mask.logical_not(), -INFINITY).softmax(-1), values);
+  REQUIRE(at::allclose(out, ref, 1e-5, 1e-5));
+  kvcache::AttendOptions opts;
+  opts.window = 1;  // each query sees only itself
+  REQUIRE(at::allclose(kvcache::attend(q, cache.keys, cache.values, cache.length, opts),
+                       values.narrow(2, 4, 2), 1e-5, 1e-5));
+
+  kvcache::rollback_(cache.length, at::tensor({1, 3}, at::kInt));
+  REQUIRE(at::equal(cache.length, at::tensor({5, 3}, at::kInt)));
+  REQUIRE_THROWS_WITH(kvcache::rollback_(cache.length, at::tensor({6, 0}, at::kInt)),
+                      KV_CONTAINS("cannot roll back more tokens than the row holds"));
+
+  auto row0 = cache.keys.select(0, 0).narrow(1, 0, 5).clone();
+  kvcache::select_rows_(cache.keys, cache.values, cache.length, at::tensor({0, 0}));
+  REQUIRE(at::equal(cache.length, at::tensor({5, 5}, at::kInt)));
+  REQUIRE(at::equal(cache.keys.select(0, 1).narrow(1, 0, 5), row0));
+  REQUIRE_THROWS_AS(kvcache::select_rows_(cache.keys, cache.values, cache.length, at::tensor({0, 2})),
+                    c10::ValueError);
 }

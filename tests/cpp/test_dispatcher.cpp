@@ -10,8 +10,8 @@
 
 namespace {
 
-std::string schema_of(const char* name) {
-  auto op = c10::Dispatcher::singleton().findSchema({name, ""});
+std::string schema_of(const char* name, const char* overload = "") {
+  auto op = c10::Dispatcher::singleton().findSchema({name, overload});
   REQUIRE(op.has_value());
   std::ostringstream os;
   os << op->schema();
@@ -24,21 +24,36 @@ TEST_CASE("schemas are registered with mutation annotations", "[dispatcher]") {
   REQUIRE(schema_of("kvcache::update_") ==
           "kvcache::update_(Tensor(a!) keys, Tensor(b!) values, Tensor keys_new, "
           "Tensor values_new, SymInt start) -> Tensor");
-  REQUIRE(schema_of("kvcache::update_at_") ==
-          "kvcache::update_at_(Tensor(a!) keys, Tensor(b!) values, Tensor keys_new, "
-          "Tensor values_new, Tensor positions) -> Tensor");
+  REQUIRE(schema_of("kvcache::update_", "Tensor") ==
+          "kvcache::update_.Tensor(Tensor(a!) keys, Tensor(b!) values, Tensor keys_new, "
+          "Tensor values_new, Tensor start) -> Tensor");
+  REQUIRE(schema_of("kvcache::append_") ==
+          "kvcache::append_(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) lengths, "
+          "Tensor keys_new, Tensor values_new) -> ()");
+  REQUIRE(schema_of("kvcache::attend") ==
+          "kvcache::attend(Tensor q, Tensor keys, Tensor values, Tensor lengths, *, "
+          "Tensor? kv_start=None, float? scale=None, int window=0, float softcap=0.) -> Tensor");
+  REQUIRE(schema_of("kvcache::rollback_") ==
+          "kvcache::rollback_(Tensor(a!) lengths, Tensor n, *, Tensor? kv_start=None) -> ()");
+  REQUIRE(schema_of("kvcache::select_rows_") ==
+          "kvcache::select_rows_(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) lengths, "
+          "Tensor index) -> ()");
   REQUIRE(schema_of("kvcache::init_layer_cache") ==
           "kvcache::init_layer_cache(SymInt batch_size, SymInt num_kv_heads, SymInt head_dim, "
           "SymInt max_len, *, ScalarType? dtype=None, Device? device=None) -> "
           "(Tensor, Tensor, Tensor)");
 }
 
-TEST_CASE("CPU kernels are registered", "[dispatcher]") {
-  for (const char* name : {"kvcache::update_", "kvcache::update_at_"}) {
-    auto op = c10::Dispatcher::singleton().findSchema({name, ""});
+TEST_CASE("kernels are registered for the backends and the guards", "[dispatcher]") {
+  for (auto [name, overload] : {std::pair{"kvcache::update_", ""}, {"kvcache::update_", "Tensor"},
+                                {"kvcache::append_", ""}, {"kvcache::attend", ""},
+                                {"kvcache::rollback_", ""}, {"kvcache::select_rows_", ""}}) {
+    auto op = c10::Dispatcher::singleton().findSchema({name, overload});
     REQUIRE(op.has_value());
-    REQUIRE(op->hasKernelForDispatchKey(c10::DispatchKey::CPU));
-    REQUIRE(op->hasKernelForDispatchKey(c10::DispatchKey::CUDA) == kvcache::build_info().with_cuda);
+    for (auto key : {c10::DispatchKey::CPU, c10::DispatchKey::CUDA, c10::DispatchKey::SparseCPU,
+                     c10::DispatchKey::Autograd, c10::DispatchKey::Conjugate}) {
+      REQUIRE(op->hasKernelForDispatchKey(key));
+    }
   }
 }
 
@@ -69,7 +84,7 @@ TEST_CASE("a boxed call through the dispatcher writes both buffers", "[dispatche
 }
 
 TEST_CASE("a boxed call with bad arguments raises ValueError and writes nothing", "[dispatcher]") {
-  auto op = c10::Dispatcher::singleton().findSchemaOrThrow("kvcache::update_at_", "");
+  auto op = c10::Dispatcher::singleton().findSchemaOrThrow("kvcache::update_", "Tensor");
   auto keys = at::zeros({1, 2, 8, 4});
   auto values = at::zeros({1, 2, 8, 4});
   torch::jit::Stack stack{keys, values, at::randn({1, 2, 2, 4}), at::randn({1, 2, 2, 4}),

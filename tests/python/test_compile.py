@@ -66,7 +66,7 @@ def test_inductor_calls_op_on_whole_cache_buffers(model):
     before = [c.keys.data_ptr() for c in caches]
     (logits, new), codes = run_and_get_code(compiled, model, token, torch.tensor(3, dtype=torch.int32), caches)
     code = "\n".join(codes)
-    calls = re.findall(r"torch\.ops\.kvcache\.update_at_\.default\(([^,]+), ([^,]+),", code)
+    calls = re.findall(r"torch\.ops\.kvcache\.update_\.Tensor\(([^,]+), ([^,]+),", code)
     assert len(calls) == CFG.num_layers, code
     for keys_arg, values_arg in calls:
         assert re.fullmatch(r"arg\d+_1", keys_arg) and re.fullmatch(r"arg\d+_1", values_arg), calls

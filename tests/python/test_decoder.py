@@ -44,19 +44,22 @@ def test_ragged_batch_matches_each_row_alone(model):
 
 
 @torch.no_grad()
-def test_decode_step_with_full_cache_mask_equals_prefix_view(model):
-    """attend_len=None (whole buffer, masked) gives the same logits as the prefix view."""
-    prompt = torch.randint(0, CFG.vocab_size, (2, 9), generator=torch.Generator().manual_seed(5))
-    c1, c2 = fresh_caches(2), fresh_caches(2)
-    zero = torch.tensor(0)
-    l1, c1 = model(prompt, zero, c1, attend_len=9)
-    l2, c2 = model(prompt, zero, c2)
-    torch.testing.assert_close(l1, l2)
-    tok = l1[:, -1].argmax(-1)[:, None]
-    pos = torch.tensor([9, 9])
-    d1, _ = model(tok, pos, c1, attend_len=10)
-    d2, _ = model(tok, pos, c2)
-    torch.testing.assert_close(d1, d2)
+def test_kvcache_attention_equals_masked_sdpa_over_whole_buffer():
+    """attend (filled slots only) and masked SDPA over the whole buffer agree, ragged rows included."""
+    fast = Decoder(CFG, seed=1, attention="kvcache").eval()
+    slow = Decoder(CFG, seed=1, attention="sdpa").eval()
+    prompt = torch.randint(0, CFG.vocab_size, (3, 9), generator=torch.Generator().manual_seed(5))
+    lengths = torch.tensor([9, 4, 6])
+    t1, l1 = greedy_generate(fast, prompt, 8, fresh_caches(3), prompt_lengths=lengths)
+    t2, l2 = greedy_generate(slow, prompt, 8, fresh_caches(3), prompt_lengths=lengths)
+    assert torch.equal(t1, t2)
+    for a, b in zip(l1, l2):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_unknown_attention_impl_rejected():
+    with pytest.raises(ValueError, match="attention must be one of"):
+        Decoder(CFG, attention="flash")
 
 
 @torch.no_grad()

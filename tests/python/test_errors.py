@@ -32,7 +32,7 @@ def expect_no_write(cache, exc, match, *args, op="api"):
         elif op == "update_":
             torch.ops.kvcache.update_(cache.keys, cache.values, *args)
         else:
-            torch.ops.kvcache.update_at_(cache.keys, cache.values, *args)
+            torch.ops.kvcache.update_.Tensor(cache.keys, cache.values, *args)
     assert torch.equal(cache.keys, before_k), "keys were written despite the error"
     assert torch.equal(cache.values, before_v), "values were written despite the error"
 
@@ -108,31 +108,31 @@ def test_device_mismatch_meta(cache):
 def test_positions_dtype(cache):
     kn, vn = new(1)
     for bad in (torch.tensor(1.0), torch.tensor(True), torch.tensor(1, dtype=torch.int16)):
-        expect_no_write(cache, TypeError, "positions must be an int32 or int64 tensor", kn, vn, bad)
+        expect_no_write(cache, TypeError, "start must be an int32 or int64 tensor", kn, vn, bad)
 
 
 @pytest.mark.parametrize("shape", [(B + 1,), (1,), (B, 1), (1, B)])
 def test_positions_shape(cache, shape):
     kn, vn = new(1)
     pos = torch.zeros(shape, dtype=torch.int64)
-    expect_no_write(cache, ValueError, r"positions must be a 0-D tensor .* shape \(batch=2,\)", kn, vn, pos)
+    expect_no_write(cache, ValueError, r"start must be a 0-D tensor .* shape \(batch=2,\)", kn, vn, pos)
 
 
 def test_positions_device(cache):
     kn, vn = new(1)
     pos = torch.zeros((), dtype=torch.int64, device="meta")
-    expect_no_write(cache, ValueError, r"positions must be on the cache's device \(cpu\)", kn, vn, pos)
+    expect_no_write(cache, ValueError, r"start must be on the cache's device \(cpu\)", kn, vn, pos)
 
 
-@pytest.mark.parametrize("op", ["api", "update_at_"])
+@pytest.mark.parametrize("op", ["api", "update_.Tensor"])
 def test_positions_out_of_range_writes_nothing(cache, op):
     kn, vn = new(2)
     # Row 0 is valid, row 1 overflows: no row may be written.
     expect_no_write(
-        cache, ValueError, r"KV cache overflow: end=9 exceeds max_len=8 \(positions\[1\]=7",
+        cache, ValueError, r"KV cache overflow: end=9 exceeds max_len=8 \(start\[1\]=7",
         kn, vn, torch.tensor([0, 7]), op=op,
     )
-    expect_no_write(cache, ValueError, "positions must be >= 0, got -1 at index 0", kn, vn, torch.tensor([-1, 0]), op=op)
+    expect_no_write(cache, ValueError, "start must be >= 0, got -1 at index 0", kn, vn, torch.tensor([-1, 0]), op=op)
     expect_no_write(cache, ValueError, "KV cache overflow: end=10 exceeds max_len=8", kn, vn, torch.tensor(8, dtype=torch.int32), op=op)
 
 
@@ -172,13 +172,26 @@ def test_expanded_cache_rejected():
     assert torch.count_nonzero(values) == 0
 
 
-def test_new_aliasing_cache_rejected():
+def test_new_data_from_written_rows_rejected_other_rows_allowed():
     cache = kvcache.init_kv_layer_cache(1, 1, D, T, torch.float32)
     cache.keys.copy_(torch.randn(1, 1, T, D))
-    kn = cache.keys[:, :, :2]  # dense, so the overlap is provable
+    cache.values.copy_(torch.randn(1, 1, T, D))
     vn = torch.randn(1, 1, 2, D)
-    expect_no_write(cache, ValueError, "keys_new and values_new must not share memory with the cache", kn, vn, 4)
-    expect_no_write(cache, ValueError, "must not share memory with the cache", vn, cache.values[:, :, 1:3], 4)
+    # rows 3..4 of the cache are read while rows 4..5 are written: refused
+    expect_no_write(cache, ValueError, "keys_new must not share memory with the rows of keys that it is written to",
+                    cache.keys[:, :, 3:5], vn, 4)
+    expect_no_write(cache, ValueError, "values_new must not share memory with the rows of values", vn,
+                    cache.values[:, :, 5:7], 4)
+    # keys_new read from the values rows being written (a swap): refused too
+    expect_no_write(cache, ValueError, "keys_new must not share memory with the rows of values",
+                    cache.values[:, :, 4:6], vn, 4)
+    # reading rows that are not written is fine (moving cached rows)
+    src_k, src_v = cache.keys[:, :, 0:2], cache.values[:, :, 0:2]
+    exp_k, exp_v = cache.keys.clone(), cache.values.clone()
+    exp_k[:, :, 4:6] = src_k
+    exp_v[:, :, 4:6] = src_v
+    kvcache.update_kv_layer_cache(cache, src_k, src_v, 4)
+    assert torch.equal(cache.keys, exp_k) and torch.equal(cache.values, exp_v)
 
 
 def test_sparse_and_quantized_rejected(cache):
@@ -186,7 +199,7 @@ def test_sparse_and_quantized_rejected(cache):
     with pytest.raises(ValueError, match="keys_new must be a strided"):
         torch.ops.kvcache.update_(cache.keys, cache.values, kn.to_sparse(), vn, 0)
     with pytest.raises(ValueError, match="values_new must be a strided"):
-        torch.ops.kvcache.update_at_(cache.keys, cache.values, kn, vn.to_sparse(), torch.tensor(0))
+        torch.ops.kvcache.update_(cache.keys, cache.values, kn, vn.to_sparse(), torch.tensor(0))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # quantized tensors are deprecated, still rejected
         q = torch.quantize_per_tensor(torch.zeros(B, H, T, D), 0.1, 0, torch.qint8)

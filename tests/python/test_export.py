@@ -23,63 +23,81 @@ def tokens():
     return torch.randint(0, CFG.vocab_size, (BATCH, STEPS), generator=torch.Generator().manual_seed(1))
 
 
-def pos(i):
-    return torch.tensor(i, dtype=torch.int32)
-
-
 def eager_steps(model, tokens):
     """Reference: the eager StatefulDecoder fed one token per step."""
     ref = StatefulDecoder(model, batch_size=BATCH)
     with torch.no_grad():
-        return [ref(tokens[:, i : i + 1], pos(i)) for i in range(tokens.shape[1])]
+        return [ref(tokens[:, i : i + 1]) for i in range(tokens.shape[1])]
 
 
 @pytest.fixture(scope="module")
 def exported(model, tokens):
     step = StatefulDecoder(model, batch_size=BATCH)
-    return torch.export.export(step, (tokens[:, :1], pos(0)))
+    with torch.no_grad():  # an inference graph: kvcache ops refuse inputs that require grad
+        return torch.export.export(step, (tokens[:, :1],))
 
 
-def test_exported_decode_step_has_the_op_and_mutates_buffers(exported):
-    """The op is called on the whole cache buffers; functionalized, it mutates exactly those."""
+def empty_caches(exported):
+    """Empties the program's caches: its lengths buffers are state that every run advances."""
+    for store in (exported.state_dict, exported.constants):
+        for name, buf in store.items():
+            if name.endswith("lengths"):
+                buf.zero_()
+    return exported
+
+
+def fresh_module(exported):
+    """The exported step with empty caches."""
+    module = empty_caches(exported).module()
+    for name, buf in module.named_buffers():
+        if name.endswith("lengths"):
+            buf.zero_()
+    return module
+
+
+def test_exported_decode_step_has_the_ops_and_mutates_buffers(exported):
+    """append_ and attend run on the whole cache buffers; functionalized, exactly those are mutated."""
     buffers = exported.graph_signature.inputs_to_buffers
-    calls = [n for n in exported.graph.nodes if n.op == "call_function" and "kvcache.update_at_" in str(n.target)]
+    calls = [n for n in exported.graph.nodes if n.op == "call_function" and "kvcache.append_" in str(n.target)]
     assert len(calls) == CFG.num_layers
     for i, node in enumerate(calls):
         assert buffers[node.args[0].name] == f"caches.{i}.keys"
         assert buffers[node.args[1].name] == f"caches.{i}.values"
+        assert buffers[node.args[2].name] == f"caches.{i}.lengths"
+    attends = [n for n in exported.graph.nodes if n.op == "call_function" and "kvcache.attend" in str(n.target)]
+    assert len(attends) == CFG.num_layers
     mutated = exported.run_decompositions().graph_signature.buffers_to_mutate
     assert sorted(mutated.values()) == sorted(
-        f"caches.{i}.{kind}" for i in range(CFG.num_layers) for kind in ("keys", "values")
+        f"caches.{i}.{kind}" for i in range(CFG.num_layers) for kind in ("keys", "values", "lengths")
     )
 
 
 def test_exported_program_matches_eager(model, tokens, exported):
     ref = eager_steps(model, tokens)
-    module = exported.module()
+    module = fresh_module(exported)
     with torch.no_grad():
         for i in range(STEPS):
-            out = module(tokens[:, i : i + 1], pos(i))
+            out = module(tokens[:, i : i + 1])
             assert torch.equal(out, ref[i]), i
 
 
 def test_export_save_load_roundtrip(model, tokens, exported, tmp_path):
     path = tmp_path / "decode_step.pt2"
     torch.export.save(exported, path)
-    module = torch.export.load(path).module()
+    module = fresh_module(torch.export.load(path))
     ref = eager_steps(model, tokens)
     with torch.no_grad():
         for i in range(STEPS):
-            assert torch.equal(module(tokens[:, i : i + 1], pos(i)), ref[i]), i
+            assert torch.equal(module(tokens[:, i : i + 1]), ref[i]), i
 
 
 def test_aoti_package_runs_with_the_ops(model, tokens, exported, tmp_path):
     """AOTInductor compiles the step to C++; the custom op is called through the dispatcher."""
-    package = torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp_path / "step.pt2"))
+    package = torch._inductor.aoti_compile_and_package(empty_caches(exported), package_path=str(tmp_path / "step.pt2"))
     runner = torch._inductor.aoti_load_package(package)
     ref = eager_steps(model, tokens)
     with torch.no_grad():
         for i in range(STEPS):
-            out = runner(tokens[:, i : i + 1], pos(i))
+            out = runner(tokens[:, i : i + 1])
             # Inductor fuses differently from eager: equal to float32 rounding, not bit for bit
             torch.testing.assert_close(out, ref[i], rtol=1e-4, atol=1e-4)

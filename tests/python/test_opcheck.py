@@ -40,7 +40,7 @@ def test_opcheck_update(sample, start):
 @pytest.mark.parametrize("positions", [torch.tensor(3), torch.tensor([0, 9], dtype=torch.int32)], ids=["scalar", "ragged"])
 def test_opcheck_update_at(sample, positions):
     keys, values, kn, vn = sample
-    result = opcheck(torch.ops.kvcache.update_at_.default, (keys, values, kn, vn, positions), test_utils=ALL_CHECKS)
+    result = opcheck(torch.ops.kvcache.update_.Tensor, (keys, values, kn, vn, positions), test_utils=ALL_CHECKS)
     assert all(v == "SUCCESS" for v in result.values()), result
 
 
@@ -67,9 +67,9 @@ def test_fake_update_raises_same_errors():
             torch.ops.kvcache.update_(keys, values, kn, kn.clone(), 13)
         with pytest.raises(TypeError, match="keys_new must have the cache dtype"):
             torch.ops.kvcache.update_(keys, values, kn.half(), kn.clone(), 0)
-        with pytest.raises(ValueError, match=r"positions must be a 0-D tensor"):
-            torch.ops.kvcache.update_at_(keys, values, kn, kn.clone(), torch.zeros(3, dtype=torch.int64))
-        with pytest.raises(TypeError, match="positions must be an int32 or int64"):
-            torch.ops.kvcache.update_at_(keys, values, kn, kn.clone(), torch.zeros(()))
+        with pytest.raises(ValueError, match=r"start must be a 0-D tensor"):
+            torch.ops.kvcache.update_(keys, values, kn, kn.clone(), torch.zeros(3, dtype=torch.int64))
+        with pytest.raises(TypeError, match="start must be an int32 or int64"):
+            torch.ops.kvcache.update_(keys, values, kn, kn.clone(), torch.zeros(()))
         k2, v2, length = torch.ops.kvcache.init_layer_cache(1, 2, 4, 8, dtype=torch.float16)
         assert k2.shape == (1, 2, 8, 4) and k2.dtype == torch.float16 and length.dtype == torch.int32

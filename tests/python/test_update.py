@@ -154,7 +154,7 @@ def test_update_ops_directly():
     kn2, vn2 = new_kv(1, seed=9)
     exp_k, exp_v = reference_update(cache.keys, cache.values, kn2, vn2, [7, 2])
     positions = torch.tensor([7, 2])
-    length = torch.ops.kvcache.update_at_(cache.keys, cache.values, kn2, vn2, positions)
+    length = torch.ops.kvcache.update_(cache.keys, cache.values, kn2, vn2, positions)
     assert length.dtype == torch.int32 and length.tolist() == [8, 3]
     assert length.data_ptr() != positions.data_ptr()  # a new tensor, aliasing no input
     assert_same(cache.keys, exp_k)

@@ -4,6 +4,9 @@
 // dispatcher, so the same call runs the CPU or CUDA kernel by the tensors'
 // device, exactly as torch.ops.kvcache.* does from Python. Link the program
 // against the kvcache library (libkvcache.so) so the operators register.
+//
+// Errors: c10::ValueError (Python ValueError) or c10::TypeError, naming the
+// argument, raised before anything is read or written.
 #pragma once
 
 #include "kvcache/export.h"
@@ -13,6 +16,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -23,8 +27,8 @@ namespace kvcache {
 ///
 /// keys:   (batch, num_kv_heads, max_len, head_dim).
 /// values: same shape and dtype as keys, separate storage.
-/// length: int32 tensor on the cache's device; 0-D, or (batch,) after a
-///         ragged update. Number of valid positions.
+/// length: int32 tensor on the cache's device; 0-D (every row), or (batch,)
+///         (one per row). Number of filled positions.
 struct KVLayerCache {
   at::Tensor keys;
   at::Tensor values;
@@ -34,53 +38,103 @@ struct KVLayerCache {
   int64_t max_len() const { return keys.size(2); }
 };
 
+/// Optional arguments of attend.
+struct AttendOptions {
+  /// (batch,) or 0-D int32/int64: first valid slot of each row (left
+  /// padding); slots before it are never read. Default: 0.
+  std::optional<at::Tensor> kv_start;
+  /// Score scale; default head_dim ** -0.5.
+  std::optional<double> scale;
+  /// > 0: a query at slot p sees only slots (p - window, p].
+  int64_t window = 0;
+  /// > 0: scores become softcap * tanh(score / softcap).
+  double softcap = 0.0;
+};
+
 // ---- The operators (thin typed wrappers over the dispatcher) -------------
 
 /// kvcache::init_layer_cache: zero-filled keys and values of shape
 /// (batch_size, num_kv_heads, max_len, head_dim) and an int32 0-D length of 0.
-/// Throws c10::ValueError for a negative size.
+/// Throws c10::ValueError for a negative size or max_len >= 2^31.
 KVCACHE_API std::tuple<at::Tensor, at::Tensor, at::Tensor> init_layer_cache(
     int64_t batch_size, int64_t num_kv_heads, int64_t head_dim,
     int64_t max_len, at::ScalarType dtype, c10::Device device = c10::kCPU);
 
 /// kvcache::update_: writes keys_new / values_new (batch, num_kv_heads,
-/// chunk, head_dim) into keys / values at [start, start + chunk) of dim 2, in
-/// place. Throws c10::ValueError ("KV cache overflow: ...", shape, device or
-/// aliasing errors) or c10::TypeError (dtype mismatch) before any write.
-/// Returns the new length, start + chunk, as an int32 0-D tensor.
+/// chunk, head_dim) into keys / values at rows [start, start + chunk), in
+/// place. Returns the new length, start + chunk, as a new int32 0-D tensor.
 KVCACHE_API at::Tensor update_(at::Tensor& keys, at::Tensor& values,
                                const at::Tensor& keys_new,
                                const at::Tensor& values_new, int64_t start);
 
-/// kvcache::update_at_: as update_, with the start read on the device from
-/// `positions` (int32/int64, 0-D or (batch,)). No host synchronization.
-/// Returns positions + chunk as int32, of the positions' shape.
-KVCACHE_API at::Tensor update_at_(at::Tensor& keys, at::Tensor& values,
-                                  const at::Tensor& keys_new,
-                                  const at::Tensor& values_new,
-                                  const at::Tensor& positions);
+/// kvcache::update_.Tensor: as above, with the start read on the device from
+/// `start` (int32/int64, 0-D or (batch,)); no host synchronization. Returns
+/// start + chunk as int32, of the start's shape. On CUDA, if any start is
+/// out of range nothing is written and every returned length is -1.
+KVCACHE_API at::Tensor update_(at::Tensor& keys, at::Tensor& values,
+                               const at::Tensor& keys_new,
+                               const at::Tensor& values_new,
+                               const at::Tensor& start);
 
-// ---- The API of the original module ---------------------------------------
+/// kvcache::append_: writes at lengths (0-D or (batch,), int32/int64) and
+/// advances lengths by chunk, in place. On CUDA, if any row would overflow
+/// nothing is written and every length becomes -1.
+KVCACHE_API void append_(at::Tensor& keys, at::Tensor& values,
+                         at::Tensor& lengths, const at::Tensor& keys_new,
+                         const at::Tensor& values_new);
+
+/// kvcache::attend: attention of q (batch, num_heads, seq, head_dim) over the
+/// filled slots [kv_start, lengths) of keys / values; query i of row b sits
+/// at slot lengths[b] - seq + i (causal). Returns (batch, num_heads, seq,
+/// head_dim) in q's dtype.
+KVCACHE_API at::Tensor attend(const at::Tensor& q, const at::Tensor& keys,
+                              const at::Tensor& values,
+                              const at::Tensor& lengths,
+                              const AttendOptions& options = {});
+
+/// kvcache::rollback_: lengths -= n in place (n: 0-D or lengths' shape).
+/// Throws (CPU) if a row would go below kv_start (default 0); on CUDA every
+/// length becomes -1 instead.
+KVCACHE_API void rollback_(at::Tensor& lengths, const at::Tensor& n,
+                           const std::optional<at::Tensor>& kv_start = std::nullopt);
+
+/// kvcache::select_rows_: row b of keys, values and lengths takes the
+/// contents of row index[b] ((batch,) int32/int64), in place; only filled
+/// slots are copied.
+KVCACHE_API void select_rows_(at::Tensor& keys, at::Tensor& values,
+                              at::Tensor& lengths, const at::Tensor& index);
+
+// ---- The API of the original module, and what a decode loop needs ---------
 
 /// Creates a zero-filled KVLayerCache with length 0.
-KVCACHE_API KVLayerCache init_kv_layer_cache(int64_t batch_size, int64_t num_kv_heads,
-                                 int64_t head_dim, int64_t max_len,
-                                 at::ScalarType dtype,
-                                 c10::Device device = c10::kCPU);
+KVCACHE_API KVLayerCache init_kv_layer_cache(int64_t batch_size,
+                                             int64_t num_kv_heads,
+                                             int64_t head_dim, int64_t max_len,
+                                             at::ScalarType dtype,
+                                             c10::Device device = c10::kCPU);
 
 /// Writes new keys/values into `cache` at [start, start + chunk), in place.
 /// Returns a cache sharing cache's buffers, with length = start + chunk.
 KVCACHE_API KVLayerCache update_kv_layer_cache(const KVLayerCache& cache,
-                                   const at::Tensor& keys_new,
-                                   const at::Tensor& values_new,
-                                   int64_t start);
+                                               const at::Tensor& keys_new,
+                                               const at::Tensor& values_new,
+                                               int64_t start);
 
-/// As above with device positions (0-D or (batch,)); the returned length is
-/// positions + chunk as int32, of the positions' shape.
+/// As above with a device start (0-D or (batch,)); the returned length is
+/// start + chunk as int32, of the start's shape.
 KVCACHE_API KVLayerCache update_kv_layer_cache(const KVLayerCache& cache,
-                                   const at::Tensor& keys_new,
-                                   const at::Tensor& values_new,
-                                   const at::Tensor& positions);
+                                               const at::Tensor& keys_new,
+                                               const at::Tensor& values_new,
+                                               const at::Tensor& start);
+
+/// Writes at cache.length and advances cache.length in place (one op).
+KVCACHE_API void append_kv_layer_cache(const KVLayerCache& cache,
+                                       const at::Tensor& keys_new,
+                                       const at::Tensor& values_new);
+
+/// Attention of q over the filled slots of `cache` (see attend above).
+KVCACHE_API at::Tensor attend(const at::Tensor& q, const KVLayerCache& cache,
+                              const AttendOptions& options = {});
 
 /// Creates one empty KVLayerCache per layer (distinct buffers).
 KVCACHE_API std::vector<KVLayerCache> init_decoder_kv_caches(

@@ -1,11 +1,17 @@
-"""A small decoder-only transformer whose attention caches keys and values
-with :func:`kvcache.update_kv_layer_cache`.
+"""A small decoder-only transformer on the kvcache operators.
 
 Token embedding, rotary position embedding (RoPE), grouped-query attention
 (``num_kv_heads < num_heads``), RMSNorm and a SiLU-gated MLP; weights come
-from a seeded generator. The model keeps no Python-side state: positions and
-caches come in as arguments and the updated caches go out, so the same code
-runs eagerly, under ``torch.compile``, ``torch.export`` and TorchScript.
+from a seeded generator. Each layer writes its keys and values with one
+kvcache call (:func:`kvcache.update_kv_layer_cache`, or
+:func:`kvcache.append_kv_layer_cache` for the stateful model) and reads them
+back with :func:`kvcache.attend`, which touches only the filled slots. The
+``attention="sdpa"`` flag switches to masked scaled-dot-product attention over
+the whole buffer, the usual static-cache way, for comparison.
+
+:class:`Decoder` keeps no Python-side state: positions and caches come in as
+arguments and the updated caches go out, so the same code runs eagerly,
+under ``torch.compile``, ``torch.export`` and TorchScript.
 """
 
 import math
@@ -15,8 +21,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache import KVLayerCache, init_kv_layer_cache, update_kv_layer_cache
+from ..cache import (
+    KVLayerCache,
+    append_kv_layer_cache,
+    attend,
+    init_kv_layer_cache,
+    update_kv_layer_cache,
+)
 from ..config import TransformerConfig
+
+ATTENTION_IMPLS = ("kvcache", "sdpa")
 
 
 class RMSNorm(nn.Module):
@@ -78,8 +92,9 @@ def grouped_attention(
 class Attention(nn.Module):
     """Grouped-query self-attention that writes its keys/values to a KV cache."""
 
-    def __init__(self, config: TransformerConfig):
+    def __init__(self, config: TransformerConfig, attention: str = "kvcache"):
         super().__init__()
+        self.attention = attention
         self.num_heads = config.num_heads
         self.num_kv_heads = config.kv_heads
         self.head_dim = config.head_dim
@@ -104,18 +119,18 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         positions: torch.Tensor,
-        start: torch.Tensor,
+        start: Optional[torch.Tensor],
         cache: KVLayerCache,
-        attend_len: Optional[int] = None,
     ) -> Tuple[torch.Tensor, KVLayerCache]:
         q, k, v = self.project(x, positions)
-        cache = update_kv_layer_cache(cache, k, v, start)
-        keys, values = cache.keys, cache.values
-        if attend_len is not None:
-            # A view of the filled prefix (no copy) when the caller knows it.
-            keys = keys[:, :, :attend_len]
-            values = values[:, :, :attend_len]
-        out = grouped_attention(q, keys, values, positions)
+        if start is None:  # stateful: write at cache.length and advance it
+            cache = append_kv_layer_cache(cache, k, v)
+        else:
+            cache = update_kv_layer_cache(cache, k, v, start)
+        if self.attention == "kvcache":
+            out = attend(q, cache)  # reads only the filled slots
+        else:
+            out = grouped_attention(q, cache.keys, cache.values, positions)
         b, _, s, _ = out.shape
         return self.wo(out.transpose(1, 2).reshape(b, s, -1)), cache
 
@@ -141,10 +156,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: TransformerConfig):
+    def __init__(self, config: TransformerConfig, attention: str = "kvcache"):
         super().__init__()
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.attn = Attention(config)
+        self.attn = Attention(config, attention)
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = MLP(config)
 
@@ -152,11 +167,10 @@ class Block(nn.Module):
         self,
         x: torch.Tensor,
         positions: torch.Tensor,
-        start: torch.Tensor,
+        start: Optional[torch.Tensor],
         cache: KVLayerCache,
-        attend_len: Optional[int] = None,
     ) -> Tuple[torch.Tensor, KVLayerCache]:
-        a, cache = self.attn(self.attn_norm(x), positions, start, cache, attend_len)
+        a, cache = self.attn(self.attn_norm(x), positions, start, cache)
         x = x + a
         return x + self.mlp(self.mlp_norm(x)), cache
 
@@ -173,13 +187,28 @@ class Decoder(nn.Module):
             grouped-query attention).
         seed: Seed of the generator the weights are drawn from.
         dtype: Parameter dtype.
+        attention: ``"kvcache"`` (:func:`kvcache.attend`: reads only the
+            filled slots) or ``"sdpa"`` (masked scaled-dot-product attention
+            over the whole cache buffer, O(capacity): for comparison).
+
+    Raises:
+        ValueError: If ``attention`` is not one of those two.
     """
 
-    def __init__(self, config: TransformerConfig, seed: int = 0, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        attention: str = "kvcache",
+    ):
         super().__init__()
+        if attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
         self.config = config
+        self.attention = attention
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.blocks = nn.ModuleList([Block(config) for _ in range(config.num_layers)])
+        self.blocks = nn.ModuleList([Block(config, attention) for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         g = torch.Generator().manual_seed(seed)
@@ -194,33 +223,32 @@ class Decoder(nn.Module):
     def forward(
         self,
         tokens: torch.Tensor,
-        start: torch.Tensor,
+        start: Optional[torch.Tensor],
         caches: List[KVLayerCache],
-        attend_len: Optional[int] = None,
     ) -> Tuple[torch.Tensor, List[KVLayerCache]]:
         """Runs ``tokens`` at positions ``start + [0, seq)``, caching their keys/values.
 
         Args:
-            tokens: Token ids ``(batch, seq)``: a prompt (prefill) or one
-                token per row (decode).
+            tokens: Token ids ``(batch, seq)``: a prompt (prefill), a chunk
+                (chunked prefill, speculative verification) or one token per
+                row (decode).
             start: int tensor: the position of ``tokens[:, 0]``, 0-D (all rows)
-                or ``(batch,)`` (ragged rows).
+                or ``(batch,)`` (ragged rows). ``None``: each layer writes at
+                its cache's ``length`` and advances it in place
+                (:func:`kvcache.append_kv_layer_cache`).
             caches: One :class:`KVLayerCache` per layer.
-            attend_len: Optional host-known bound on ``start + seq`` over the
-                batch; attention then reads only that prefix of the cache.
-                ``None`` reads the whole cache with a mask (static shapes,
-                for compile / CUDA graphs).
 
         Returns:
             ``(logits, caches)``: logits ``(batch, seq, vocab)`` in float32,
-            and the updated caches (the same buffers, new lengths).
+            and the updated caches (the same buffers; new lengths).
         """
         b, s = tokens.shape
-        positions = start.reshape(-1, 1).expand(b, 1) + torch.arange(s, device=tokens.device)[None, :]
+        first = caches[0].length if start is None else start
+        positions = first.reshape(-1, 1).expand(b, 1) + torch.arange(s, device=tokens.device)[None, :]
         x = self.embed(tokens)
         new_caches: List[KVLayerCache] = []
         for i, block in enumerate(self.blocks):
-            x, cache = block(x, positions, start, caches[i], attend_len)
+            x, cache = block(x, positions, start, caches[i])
             new_caches.append(cache)
         return self.head(self.norm(x)).float(), new_caches
 
@@ -239,23 +267,28 @@ class Decoder(nn.Module):
 
 
 class CacheBuffers(nn.Module):
-    """One layer's cache buffers, registered as module buffers (not saved in state_dict)."""
+    """One layer's cache as module buffers: keys, values and a per-row length
+    (not saved in the state_dict)."""
 
     def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype):
         super().__init__()
         cache = init_kv_layer_cache(batch_size, num_kv_heads, head_dim, max_len, dtype)
         self.register_buffer("keys", cache.keys, persistent=False)
         self.register_buffer("values", cache.values, persistent=False)
+        self.register_buffer("lengths", torch.zeros(batch_size, dtype=torch.int32), persistent=False)
 
 
 class StatefulDecoder(nn.Module):
     """A :class:`Decoder` that owns its KV caches as module buffers.
 
-    ``forward(tokens, start)`` runs one prefill or decode step and writes the
-    new keys/values into the buffers in place. Only tensors cross the call,
-    which is what ``torch.export``, AOTInductor and a C++ TorchScript runner
-    need. Each layer has its own pair of buffers, passed whole to the cache
-    op (a view would make Inductor clone it).
+    ``forward(tokens)`` runs one prefill or decode step: every layer writes
+    its new keys/values at its buffers' current length and advances the
+    length in place (:func:`kvcache.append_kv_layer_cache`, one operator per
+    layer), then attends over the filled slots. Only tensors cross the call,
+    and the buffers keep their addresses, which is what ``torch.export``,
+    AOTInductor, CUDA graphs and a C++ TorchScript runner need. Each layer
+    has its own buffers, passed whole to the operators (a view would make
+    Inductor clone them).
 
     Args:
         model: The decoder (its weights are shared, not copied).
@@ -275,13 +308,19 @@ class StatefulDecoder(nn.Module):
             [CacheBuffers(batch_size, cfg.kv_heads, cfg.head_dim, cap, dtype) for _ in range(cfg.num_layers)]
         )
 
-    def forward(self, tokens: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-        """One step: logits ``(batch, seq, vocab)`` for ``tokens`` at ``start + [0, seq)``."""
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One step: logits ``(batch, seq, vocab)`` for ``tokens`` (batch, seq) at the current lengths."""
         caches: List[KVLayerCache] = []
         for buffers in self.caches:
-            caches.append(KVLayerCache(buffers.keys, buffers.values, start))
-        logits, _ = self.model(tokens, start, caches)
+            caches.append(KVLayerCache(buffers.keys, buffers.values, buffers.lengths))
+        logits, _ = self.model(tokens, None, caches)
         return logits
+
+    @torch.jit.export
+    def reset(self) -> None:
+        """Empties every cache (lengths to 0; nothing is zeroed)."""
+        for buffers in self.caches:
+            buffers.lengths.zero_()
 
 
 def greedy_generate(
@@ -311,7 +350,7 @@ def greedy_generate(
     """
     b, s = prompt.shape
     device = prompt.device
-    logits, caches = model(prompt, torch.zeros((), dtype=torch.int32, device=device), caches, attend_len=s)
+    logits, caches = model(prompt, torch.zeros((), dtype=torch.int32, device=device), caches)
     if prompt_lengths is None:
         pos = torch.tensor(s, dtype=torch.int32, device=device)  # one position for all rows
         last = logits[:, -1]
@@ -321,7 +360,6 @@ def greedy_generate(
         pos = prompt_lengths.to(device=device, dtype=torch.int32)
         last = logits[torch.arange(b, device=device), pos - 1]
     out, step_logits = [], []
-    host_end = s  # host-side bound on every row's end, no sync needed
     for _ in range(new_tokens):
         token = last.argmax(-1)
         out.append(token)
@@ -330,8 +368,7 @@ def greedy_generate(
             step_callback()
         if len(out) == new_tokens:
             break
-        host_end += 1
-        logits, caches = model(token[:, None], pos, caches, attend_len=max(host_end, 1))
+        logits, caches = model(token[:, None], pos, caches)
         last = logits[:, 0]
         pos = pos + 1
     return torch.stack(out, dim=1), step_logits

@@ -1,0 +1,78 @@
+// Argument checks shared by every operator.
+//
+// Every check raises before anything is read or written: c10::ValueError
+// (Python ValueError) or c10::TypeError (Python TypeError), naming the
+// argument the user passed and what was expected.
+//
+// The checks run on real tensors (eager kernels) and on fake/meta tensors
+// (the Python fake kernels call them through kvcache._C), so sizes are read
+// as c10::SymInt: concrete ints in eager code, symbols while tracing. A
+// condition on symbols is decided the way torch._check decides it (a guard,
+// or a deferred runtime assert when there is no hint), so traced code raises
+// exactly what eager code raises.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/SymBool.h>
+#include <c10/core/SymInt.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace kvcache {
+namespace detail {
+
+// Python spelling of a dtype ("torch.float32"), as users write it.
+std::string py_dtype(at::ScalarType t);
+
+// True if `cond` holds. Concrete in eager code; while tracing, it guards on
+// the symbolic condition (or defers it to run time), like torch._check.
+bool holds(const c10::SymBool& cond);
+
+// A SymInt as a plain integer for an error message (its hint while tracing).
+int64_t shown(const c10::SymInt& v);
+
+// a.sizes() == b.sizes() (as symbols while tracing).
+bool same_sizes(const at::Tensor& a, const at::Tensor& b);
+
+// A defined, strided, non-nested, non-quantized tensor.
+void check_dense(const at::Tensor& t, const char* name);
+
+// check_dense, plus what a tensor the op writes to must satisfy: no lazy
+// conjugate/negative bit (the write would land in a temporary), and no
+// inference tensor outside inference mode (as PyTorch's in-place ops).
+void check_writable(const at::Tensor& t, const char* name);
+
+// `t` has `rank` dimensions, described as `dims` in the message.
+void check_rank(const at::Tensor& t, int64_t rank, const char* name,
+                const char* dims);
+
+// `t` has the dtype `expected` (TypeError: no implicit casts).
+void check_dtype(const at::Tensor& t, at::ScalarType expected,
+                 const char* name, const char* what);
+
+// `t` is on `device`.
+void check_device(const at::Tensor& t, const at::Device& device,
+                  const char* name, const char* what);
+
+// A per-row integer tensor (lengths, positions, kv_start, counts): int32 or
+// int64, 0-D (one value for every row) or of shape (batch,), on `device`.
+void check_row_ints(const at::Tensor& t, const char* name,
+                    const c10::SymInt& batch, const at::Device& device);
+
+// Reads row b's value of a CPU per-row integer tensor (0-D: every row reads
+// element 0). Callers have checked it with check_row_ints.
+int64_t row_value(const at::Tensor& t, int64_t b);
+
+// The checks every cache pair (keys, values: the buffers an operator
+// writes) must pass: writable, 4-D (batch, num_kv_heads, max_len, head_dim),
+// same shape, dtype and device, max_len <= kMaxLen, and no byte shared by
+// two elements or by keys and values.
+void check_cache(const at::Tensor& keys, const at::Tensor& values);
+
+// The largest cache capacity: lengths are int32.
+constexpr int64_t kMaxLen = INT32_MAX;
+
+}  // namespace detail
+}  // namespace kvcache

@@ -1,0 +1,176 @@
+#include "attend.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <string>
+
+#include "../core/checks.h"
+#include "../core/tensor_params.h"
+
+namespace kvcache {
+namespace detail {
+
+DeviceStub<AttendFn> attend_stub;
+
+namespace {
+
+bool attn_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
+std::string at_index(const at::Tensor& t, int64_t b) {
+  return t.dim() == 0 ? std::string() : " at index " + std::to_string(b);
+}
+
+}  // namespace
+
+AttendRows check_attend(const at::Tensor& q, const at::Tensor& keys,
+                        const at::Tensor& values, const at::Tensor& lengths,
+                        const std::optional<at::Tensor>& kv_start,
+                        std::optional<double> scale, int64_t window,
+                        double softcap, bool values_known) {
+  check_dense(q, "q");
+  check_dense(keys, "keys");
+  check_dense(values, "values");
+  check_rank(q, 4, "q", "(batch, num_heads, seq, head_dim)");
+  check_rank(keys, 4, "keys", "(batch, num_kv_heads, max_len, head_dim)");
+  check_rank(values, 4, "values", "(batch, num_kv_heads, max_len, head_dim)");
+  TORCH_CHECK_VALUE(same_sizes(values, keys),
+                    "values must have the same shape as keys ",
+                    keys.sym_sizes(), ", got ", values.sym_sizes());
+  const c10::SymInt batch = keys.sym_size(0);
+  const c10::SymInt kv_heads = keys.sym_size(1);
+  const c10::SymInt max_len = keys.sym_size(2);
+  const c10::SymInt head_dim = keys.sym_size(3);
+  const c10::SymInt heads = q.sym_size(1);
+  const c10::SymInt seq = q.sym_size(2);
+  TORCH_CHECK_VALUE(
+      holds(q.sym_size(0).sym_eq(batch)) &&
+          holds(q.sym_size(3).sym_eq(head_dim)),
+      "q must have shape (batch=", shown(batch), ", num_heads, seq, head_dim=",
+      shown(head_dim), ") to match the cache, got ", q.sym_sizes());
+  // Grouped-query attention: query head h reads KV head h / (heads / kv).
+  TORCH_CHECK_VALUE(
+      holds(kv_heads.sym_gt(0)) ? holds((heads % kv_heads).sym_eq(0))
+                                : holds(heads.sym_eq(0)),
+      "q has num_heads=", shown(heads),
+      ", which must be a multiple of the cache's num_kv_heads=",
+      shown(kv_heads));
+
+  TORCH_CHECK_TYPE(attn_dtype(q.scalar_type()),
+                   "q must be a torch.float32, torch.bfloat16 or "
+                   "torch.float16 tensor, got ",
+                   py_dtype(q.scalar_type()));
+  check_dtype(keys, q.scalar_type(), "keys", "the dtype of q");
+  check_dtype(values, q.scalar_type(), "values", "the dtype of q");
+  const auto dev = q.device();
+  check_device(keys, dev, "keys", "the device of q");
+  check_device(values, dev, "values", "the device of q");
+  TORCH_CHECK_VALUE(holds(max_len.sym_le(kMaxLen)), "keys has max_len=",
+                    shown(max_len),
+                    " positions; lengths are int32, so a cache holds at most ",
+                    kMaxLen, " positions");
+  check_row_ints(lengths, "lengths", batch, dev);
+  if (kv_start.has_value()) {
+    check_row_ints(*kv_start, "kv_start", batch, dev);
+  }
+  if (scale.has_value()) {
+    TORCH_CHECK_VALUE(std::isfinite(*scale) && *scale > 0.0,
+                      "scale must be a finite number > 0, got ", *scale);
+  }
+  TORCH_CHECK_VALUE(window >= 0, "window must be >= 0 (0: no window), got ",
+                    window);
+  TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0.0,
+                    "softcap must be a finite number >= 0 (0: no cap), got ",
+                    softcap);
+
+  AttendRows rows;
+  if (!values_known || !dev.is_cpu()) {
+    return rows;
+  }
+  const int64_t n = batch.expect_int();
+  const int64_t s = seq.expect_int();
+  const int64_t cap = max_len.expect_int();
+  rows.lengths.resize(static_cast<size_t>(n));
+  for (int64_t b = 0; b < n; ++b) {
+    const int64_t len = row_value(lengths, b);
+    TORCH_CHECK_VALUE(len >= s, "lengths must be >= seq=", s,
+                      " (the queries are the last seq filled slots), got ", len,
+                      at_index(lengths, b));
+    TORCH_CHECK_VALUE(len <= cap, "lengths must be <= max_len=", cap, ", got ",
+                      len, at_index(lengths, b));
+    rows.lengths[b] = len;
+  }
+  if (kv_start.has_value()) {
+    rows.kv_start.resize(static_cast<size_t>(n));
+    for (int64_t b = 0; b < n; ++b) {
+      const int64_t first = row_value(*kv_start, b);
+      TORCH_CHECK_VALUE(first >= 0 && first <= rows.lengths[b],
+                        "kv_start must be in [0, lengths] = [0, ",
+                        rows.lengths[b], "], got ", first,
+                        at_index(*kv_start, b));
+      rows.kv_start[b] = first;
+    }
+  }
+  return rows;
+}
+
+}  // namespace detail
+
+namespace ops {
+
+namespace {
+
+void strides_of(const at::Tensor& t, int64_t* out) {
+  for (int k = 0; k < 4; ++k) out[k] = t.stride(k);
+}
+
+}  // namespace
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& keys,
+                  const at::Tensor& values, const at::Tensor& lengths,
+                  const std::optional<at::Tensor>& kv_start,
+                  std::optional<double> scale, int64_t window, double softcap) {
+  const auto rows = detail::check_attend(q, keys, values, lengths, kv_start,
+                                         scale, window, softcap, true);
+  // (batch, seq, heads, head_dim) memory: the caller's transpose(1, 2) and
+  // reshape to (batch, seq, heads * head_dim) is then a free view.
+  at::Tensor out =
+      at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options())
+          .transpose(1, 2);
+  detail::AttendParams p;
+  p.dtype = q.scalar_type() == at::kFloat      ? detail::AttnDtype::kFloat32
+            : q.scalar_type() == at::kBFloat16 ? detail::AttnDtype::kBFloat16
+                                               : detail::AttnDtype::kFloat16;
+  p.q = q.const_data_ptr();
+  p.k = keys.const_data_ptr();
+  p.v = values.const_data_ptr();
+  p.out = out.mutable_data_ptr();
+  strides_of(q, p.q_stride);
+  strides_of(keys, p.k_stride);
+  strides_of(values, p.v_stride);
+  strides_of(out, p.out_stride);
+  p.batch = keys.size(0);
+  p.kv_heads = keys.size(1);
+  p.max_len = keys.size(2);
+  p.head_dim = keys.size(3);
+  p.num_heads = q.size(1);
+  p.seq = q.size(2);
+  p.scale = static_cast<float>(
+      scale.value_or(p.head_dim > 0 ? 1.0 / std::sqrt(double(p.head_dim)) : 1.0));
+  p.softcap = static_cast<float>(softcap);
+  p.window = window;
+  p.lengths = detail::int_rows(lengths);
+  if (kv_start.has_value()) p.kv_start = detail::int_rows(*kv_start);
+  p.host_lengths = rows.lengths.empty() ? nullptr : rows.lengths.data();
+  p.host_kv_start = rows.kv_start.empty() ? nullptr : rows.kv_start.data();
+  if (out.numel() > 0) {
+    detail::attend_stub.get(q.device().type(), "attend")(p);
+  }
+  return out;
+}
+
+}  // namespace ops
+}  // namespace kvcache

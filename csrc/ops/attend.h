@@ -1,0 +1,83 @@
+// attend: attention of new queries over the filled part of a KV cache.
+//
+//   out[b, h, i] = softmax_j(score(q[b, h, i], keys[b, h / group, j])) .
+//                  values[b, h / group, j]
+//
+// over the slots j a query may see: query i of row b sits at slot
+// p = lengths[b] - seq + i and sees kv_start[b] <= j <= p, and, with a
+// window w > 0, p - w < j. Slots outside [kv_start[b], lengths[b]) are never
+// read, so a step costs O(filled slots), not O(capacity). score is
+// scale * q.k, then softcap * tanh(score / softcap) when softcap > 0.
+// A query that sees no slot (a left-padding position) gets zeros.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <vector>
+
+#include "../core/device_stub.h"
+#include "kvcache/export.h"
+#include "../core/params.h"
+
+namespace kvcache {
+namespace detail {
+
+enum class AttnDtype { kFloat32, kBFloat16, kFloat16 };
+
+struct AttendParams {
+  AttnDtype dtype = AttnDtype::kFloat32;
+  // Element strides (not bytes): the kernels index typed pointers.
+  const void* q = nullptr;  // (batch, num_heads, seq, head_dim)
+  int64_t q_stride[4] = {};
+  const void* k = nullptr;  // (batch, kv_heads, max_len, head_dim)
+  int64_t k_stride[4] = {};
+  const void* v = nullptr;  // same shape as k
+  int64_t v_stride[4] = {};
+  void* out = nullptr;  // (batch, num_heads, seq, head_dim)
+  int64_t out_stride[4] = {};
+  int64_t batch = 0;
+  int64_t num_heads = 0;
+  int64_t kv_heads = 0;
+  int64_t seq = 0;
+  int64_t head_dim = 0;
+  int64_t max_len = 0;
+  float scale = 1.0f;
+  float softcap = 0.0f;  // 0: none
+  int64_t window = 0;    // 0: none
+  // On the device (CUDA reads them there; out-of-range rows get NaN).
+  IntRows lengths;
+  IntRows kv_start;  // absent: 0
+  // CPU: the checked values, one entry or one per row.
+  const int64_t* host_lengths = nullptr;
+  const int64_t* host_kv_start = nullptr;  // nullptr: 0
+};
+
+using AttendFn = void (*)(const AttendParams&);
+extern DeviceStub<AttendFn> attend_stub;
+
+// Checked lengths and kv_start, one entry per row (empty when the values
+// are not known on the host: device tensors, or tracing).
+struct AttendRows {
+  std::vector<int64_t> lengths;
+  std::vector<int64_t> kv_start;
+};
+
+KVCACHE_API AttendRows check_attend(const at::Tensor& q, const at::Tensor& keys,
+                        const at::Tensor& values, const at::Tensor& lengths,
+                        const std::optional<at::Tensor>& kv_start,
+                        std::optional<double> scale, int64_t window,
+                        double softcap, bool values_known);
+
+}  // namespace detail
+
+// Operator entry points (registered in csrc/schema.cpp).
+namespace ops {
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& keys,
+                  const at::Tensor& values, const at::Tensor& lengths,
+                  const std::optional<at::Tensor>& kv_start,
+                  std::optional<double> scale, int64_t window, double softcap);
+
+}  // namespace ops
+}  // namespace kvcache

@@ -1,0 +1,185 @@
+#include "rows.h"
+
+#include <c10/util/Exception.h>
+
+#include <string>
+
+#include "../core/checks.h"
+#include "../core/overlap.h"
+#include "../core/tensor_params.h"
+
+namespace kvcache {
+namespace detail {
+
+DeviceStub<RollbackFn> rollback_stub;
+DeviceStub<SelectRowsFn> select_rows_stub;
+
+namespace {
+
+std::string at_index(const at::Tensor& t, int64_t b) {
+  return t.dim() == 0 ? std::string() : " at index " + std::to_string(b);
+}
+
+// A per-row integer tensor shaped like `lengths` (0-D, or the same (rows,)).
+void check_like_lengths(const at::Tensor& t, const char* name,
+                        const at::Tensor& lengths) {
+  check_dense(t, name);
+  TORCH_CHECK_TYPE(
+      t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, name,
+      " must be an int32 or int64 tensor, got dtype ",
+      py_dtype(t.scalar_type()));
+  TORCH_CHECK_VALUE(
+      t.dim() == 0 || (lengths.dim() == 1 && t.dim() == 1 &&
+                       holds(t.sym_size(0).sym_eq(lengths.sym_size(0)))),
+      name, " must be a 0-D tensor or have the shape of lengths ",
+      lengths.sym_sizes(), ", got shape ", t.sym_sizes());
+  check_device(t, lengths.device(), name, "the device of lengths");
+  TORCH_CHECK_VALUE(!overlaps(box_of(t), box_of(lengths)), name,
+                    " must not share memory with lengths (written in place)");
+}
+
+void check_lengths_tensor(const at::Tensor& lengths) {
+  check_writable(lengths, "lengths");
+  TORCH_CHECK_TYPE(
+      lengths.scalar_type() == at::kInt || lengths.scalar_type() == at::kLong,
+      "lengths must be an int32 or int64 tensor, got dtype ",
+      py_dtype(lengths.scalar_type()));
+  TORCH_CHECK_VALUE(lengths.dim() <= 1,
+                    "lengths must be a 0-D tensor or have shape (batch,), got "
+                    "shape ",
+                    lengths.sym_sizes());
+  TORCH_CHECK_VALUE(!self_overlaps(box_of(lengths)),
+                    "lengths must not have internally overlapping memory (it "
+                    "is written in place, one entry per row)");
+}
+
+}  // namespace
+
+std::vector<int64_t> check_rollback(const at::Tensor& lengths,
+                                    const at::Tensor& n,
+                                    const std::optional<at::Tensor>& kv_start,
+                                    bool values_known) {
+  check_lengths_tensor(lengths);
+  check_like_lengths(n, "n", lengths);
+  if (kv_start.has_value()) {
+    check_like_lengths(*kv_start, "kv_start", lengths);
+  }
+  std::vector<int64_t> out;
+  if (!values_known || !lengths.device().is_cpu()) {
+    return out;
+  }
+  const int64_t rows = lengths.numel();
+  out.resize(static_cast<size_t>(rows));
+  for (int64_t b = 0; b < rows; ++b) {
+    const int64_t len = row_value(lengths, b);
+    const int64_t drop = row_value(n, b);
+    const int64_t first = kv_start.has_value() ? row_value(*kv_start, b) : 0;
+    TORCH_CHECK_VALUE(len >= 0, "lengths must be >= 0, got ", len,
+                      at_index(lengths, b));
+    TORCH_CHECK_VALUE(first >= 0 && first <= len,
+                      "kv_start must be in [0, lengths] = [0, ", len, "], got ",
+                      first, at_index(lengths, b));
+    TORCH_CHECK_VALUE(drop >= 0, "n must be >= 0, got ", drop,
+                      at_index(lengths, b));
+    // Never len - drop < first: compare without the subtraction of a drop
+    // that may be near 2^63.
+    TORCH_CHECK_VALUE(drop <= len - first,
+                      "cannot roll back more tokens than the row holds: n=",
+                      drop, " but lengths=", len, kv_start ? " - kv_start=" : "",
+                      kv_start ? std::to_string(first) : std::string(),
+                      " leaves ", len - first, at_index(lengths, b));
+    out[b] = len - drop;
+  }
+  return out;
+}
+
+SelectRowsValues check_select_rows(const at::Tensor& keys,
+                                   const at::Tensor& values,
+                                   const at::Tensor& lengths,
+                                   const at::Tensor& index, bool values_known) {
+  check_cache(keys, values);
+  const c10::SymInt batch = keys.sym_size(0);
+  check_writable(lengths, "lengths");
+  check_row_ints(lengths, "lengths", batch, keys.device());
+  TORCH_CHECK_VALUE(!self_overlaps(box_of(lengths)),
+                    "lengths must not have internally overlapping memory (it "
+                    "is written in place, one entry per row)");
+  check_dense(index, "index");
+  TORCH_CHECK_TYPE(
+      index.scalar_type() == at::kInt || index.scalar_type() == at::kLong,
+      "index must be an int32 or int64 tensor, got dtype ",
+      py_dtype(index.scalar_type()));
+  TORCH_CHECK_VALUE(
+      index.dim() == 1 && holds(index.sym_size(0).sym_eq(batch)),
+      "index must have shape (batch=", shown(batch), ",), got shape ",
+      index.sym_sizes());
+  check_device(index, keys.device(), "index", "the cache's device");
+  for (const auto& [t, name] :
+       {std::pair<const at::Tensor&, const char*>{lengths, "lengths"},
+        {index, "index"}}) {
+    const Box b = box_of(t);
+    TORCH_CHECK_VALUE(!overlaps(b, box_of(keys)) && !overlaps(b, box_of(values)),
+                      name, " must not share memory with keys or values");
+  }
+  TORCH_CHECK_VALUE(!overlaps(box_of(index), box_of(lengths)),
+                    "index must not share memory with lengths (written in "
+                    "place)");
+
+  SelectRowsValues out;
+  if (!values_known || !keys.device().is_cpu()) {
+    return out;
+  }
+  const int64_t n = keys.size(0);
+  const int64_t cap = keys.size(2);
+  out.lengths.resize(static_cast<size_t>(n));
+  out.index.resize(static_cast<size_t>(n));
+  for (int64_t b = 0; b < n; ++b) {
+    const int64_t len = row_value(lengths, b);
+    TORCH_CHECK_VALUE(len >= 0 && len <= cap, "lengths must be in [0, max_len=",
+                      cap, "], got ", len, at_index(lengths, b));
+    out.lengths[b] = len;
+    const int64_t src = row_value(index, b);
+    TORCH_CHECK_VALUE(src >= 0 && src < n, "index must be in [0, batch=", n,
+                      "), got ", src, " at index ", b);
+    out.index[b] = src;
+  }
+  return out;
+}
+
+}  // namespace detail
+
+namespace ops {
+
+void rollback_(at::Tensor& lengths, const at::Tensor& n,
+               const std::optional<at::Tensor>& kv_start) {
+  const auto next = detail::check_rollback(lengths, n, kv_start, true);
+  detail::RollbackParams p;
+  p.lengths = detail::int_rows(lengths);
+  p.n = detail::int_rows(n);
+  if (kv_start.has_value()) p.kv_start = detail::int_rows(*kv_start);
+  p.rows = lengths.numel();
+  p.host_new_lengths = next.empty() ? nullptr : next.data();
+  detail::rollback_stub.get(lengths.device().type(), "rollback_")(p);
+}
+
+void select_rows_(at::Tensor& keys, at::Tensor& values, at::Tensor& lengths,
+                  const at::Tensor& index) {
+  const auto vals =
+      detail::check_select_rows(keys, values, lengths, index, true);
+  detail::SelectRowsParams p;
+  p.buf[0] = detail::dst_rows(keys);
+  p.buf[1] = detail::dst_rows(values);
+  p.batch = keys.size(0);
+  p.heads = keys.size(1);
+  p.max_len = keys.size(2);
+  p.head_dim = keys.size(3);
+  p.elem = static_cast<int64_t>(keys.element_size());
+  p.lengths = detail::int_rows(lengths);
+  p.index = detail::int_rows(index);
+  p.host_lengths = vals.lengths.empty() ? nullptr : vals.lengths.data();
+  p.host_index = vals.index.empty() ? nullptr : vals.index.data();
+  detail::select_rows_stub.get(keys.device().type(), "select_rows_")(p);
+}
+
+}  // namespace ops
+}  // namespace kvcache

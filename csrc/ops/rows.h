@@ -1,0 +1,71 @@
+// Operators that move whole rows of a cache: rollback_ (drop the last n[b]
+// tokens of each row) and select_rows_ (row b takes the contents of row
+// index[b]: beam reorder, forking, compaction), in place, the buffers keeping
+// their addresses.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <vector>
+
+#include "../core/device_stub.h"
+#include "kvcache/export.h"
+#include "../core/params.h"
+
+namespace kvcache {
+namespace detail {
+
+struct RollbackParams {
+  IntRows lengths;   // in place
+  IntRows n;
+  IntRows kv_start;  // absent: 0
+  int64_t rows = 0;  // entries of lengths
+  const int64_t* host_new_lengths = nullptr;  // CPU: checked results
+};
+using RollbackFn = void (*)(const RollbackParams&);
+extern DeviceStub<RollbackFn> rollback_stub;
+
+struct SelectRowsParams {
+  DstRows buf[2];  // keys, values (read and written)
+  int64_t batch = 0;
+  int64_t heads = 0;
+  int64_t max_len = 0;
+  int64_t head_dim = 0;
+  int64_t elem = 0;
+  IntRows lengths;  // in place: lengths[b] <- lengths[index[b]]
+  IntRows index;    // (batch,)
+  // CPU: the checked values (one length per row).
+  const int64_t* host_lengths = nullptr;
+  const int64_t* host_index = nullptr;
+};
+using SelectRowsFn = void (*)(const SelectRowsParams&);
+extern DeviceStub<SelectRowsFn> select_rows_stub;
+
+// Checks (shared with the fake kernels). Return the checked values when
+// they can be read here (CPU tensors outside tracing), else empty.
+KVCACHE_API std::vector<int64_t> check_rollback(const at::Tensor& lengths,
+                                    const at::Tensor& n,
+                                    const std::optional<at::Tensor>& kv_start,
+                                    bool values_known);
+struct SelectRowsValues {
+  std::vector<int64_t> lengths;
+  std::vector<int64_t> index;
+};
+KVCACHE_API SelectRowsValues check_select_rows(const at::Tensor& keys,
+                                   const at::Tensor& values,
+                                   const at::Tensor& lengths,
+                                   const at::Tensor& index, bool values_known);
+
+}  // namespace detail
+
+// Operator entry points (registered in csrc/schema.cpp).
+namespace ops {
+
+void rollback_(at::Tensor& lengths, const at::Tensor& n,
+               const std::optional<at::Tensor>& kv_start);
+void select_rows_(at::Tensor& keys, at::Tensor& values, at::Tensor& lengths,
+                  const at::Tensor& index);
+
+}  // namespace ops
+}  // namespace kvcache

@@ -1,0 +1,308 @@
+#include "update.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <string>
+
+#include "../core/checks.h"
+#include "../core/overlap.h"
+#include "../core/tensor_params.h"
+
+namespace kvcache {
+namespace detail {
+
+DeviceStub<UpdateFn> update_stub;
+
+namespace {
+
+// Exact start + chunk for a message, even where int64 would overflow.
+std::string exact_end(int64_t start, int64_t chunk) {
+  int64_t end = 0;
+  if (!__builtin_add_overflow(start, chunk, &end)) {
+    return std::to_string(end);
+  }
+  unsigned __int128 v = static_cast<unsigned __int128>(
+      static_cast<__int128>(start) + chunk);  // positive: start, chunk >= 0
+  std::string s;
+  while (v > 0) {
+    s.insert(s.begin(), static_cast<char>('0' + static_cast<int>(v % 10)));
+    v /= 10;
+  }
+  return s;
+}
+
+struct Shape {
+  c10::SymInt batch, heads, chunk, head_dim, max_len;
+};
+
+// Everything about the four tensors that does not depend on the start.
+Shape check_tensors(const at::Tensor& keys, const at::Tensor& values,
+                    const at::Tensor& keys_new, const at::Tensor& values_new) {
+  check_cache(keys, values);
+  check_dense(keys_new, "keys_new");
+  check_dense(values_new, "values_new");
+  check_rank(keys_new, 4, "keys_new", "(batch, num_kv_heads, chunk, head_dim)");
+  check_rank(values_new, 4, "values_new",
+             "(batch, num_kv_heads, chunk, head_dim)");
+
+  const auto ks = keys.sym_sizes();
+  Shape g{ks[0], ks[1], keys_new.sym_size(2), ks[3], ks[2]};
+  TORCH_CHECK_VALUE(holds(keys_new.sym_size(0).sym_eq(g.batch)) &&
+                        holds(keys_new.sym_size(1).sym_eq(g.heads)) &&
+                        holds(keys_new.sym_size(3).sym_eq(g.head_dim)),
+                    "keys_new must have shape (batch=", shown(g.batch),
+                    ", num_kv_heads=", shown(g.heads), ", chunk, head_dim=",
+                    shown(g.head_dim), ") to match the cache, got ",
+                    keys_new.sym_sizes());
+  TORCH_CHECK_VALUE(
+      same_sizes(values_new, keys_new),
+      "values_new must have the same shape as keys_new ", keys_new.sym_sizes(),
+      ", got ", values_new.sym_sizes());
+
+  // No implicit casts: a cast would hide a model/cache dtype mismatch and
+  // cost an extra pass over the data.
+  check_dtype(keys_new, keys.scalar_type(), "keys_new", "the cache dtype");
+  check_dtype(values_new, keys.scalar_type(), "values_new", "the cache dtype");
+
+  const auto dev = keys.device();
+  check_device(keys_new, dev, "keys_new", "the cache's device");
+  check_device(values_new, dev, "values_new", "the cache's device");
+
+  return g;
+}
+
+// The rows a call writes: one start for every row, one per row, or (when
+// the starts are only known on the device, or while tracing) any row.
+struct Written {
+  enum Kind { kAny, kShared, kPerRow } kind = kAny;
+  int64_t start = 0;
+  const std::vector<int64_t>* starts = nullptr;
+  int64_t chunk = 0;
+};
+
+// New data may be read from rows of the cache that are not written (moving
+// cached rows), never from the rows being written: raise if `src` shares a
+// byte with the rows of `dst` that this call writes.
+void check_not_written(const at::Tensor& dst, const char* dst_name,
+                       const at::Tensor& src, const char* src_name,
+                       const Written& w) {
+  const Box whole = box_of(dst);
+  const Box from = box_of(src);
+  bool hit = false;
+  if (overlaps(whole, from)) {
+    switch (w.kind) {
+      case Written::kAny:
+        hit = true;
+        break;
+      case Written::kShared:
+        hit = overlaps(slice_box(whole, 2, w.start, w.chunk), from);
+        break;
+      case Written::kPerRow:
+        for (size_t b = 0; b < w.starts->size() && !hit; ++b) {
+          const Box row = slice_box(whole, 0, static_cast<int64_t>(b), 1);
+          hit = overlaps(slice_box(row, 2, (*w.starts)[b], w.chunk), from);
+        }
+        break;
+    }
+  }
+  TORCH_CHECK_VALUE(!hit, src_name, " must not share memory with the rows of ",
+                    dst_name, " that it is written to",
+                    w.kind == Written::kAny
+                        ? " (the rows are only known on the device, so any "
+                          "row of the cache counts)"
+                        : "");
+}
+
+void check_sources(const at::Tensor& keys, const at::Tensor& values,
+                   const at::Tensor& keys_new, const at::Tensor& values_new,
+                   const Written& w) {
+  for (const auto& [dst, dst_name] :
+       {std::pair<const at::Tensor&, const char*>{keys, "keys"},
+        {values, "values"}}) {
+    check_not_written(dst, dst_name, keys_new, "keys_new", w);
+    check_not_written(dst, dst_name, values_new, "values_new", w);
+  }
+}
+
+// A per-row integer tensor must not alias the buffers: the kernels read it
+// while (on CUDA) other blocks write the cache.
+void check_int_rows_apart(const at::Tensor& t, const char* name,
+                          const at::Tensor& keys, const at::Tensor& values) {
+  const Box b = box_of(t);
+  TORCH_CHECK_VALUE(!overlaps(b, box_of(keys)) && !overlaps(b, box_of(values)),
+                    name, " must not share memory with keys or values");
+}
+
+void check_start_value(int64_t s, int64_t chunk, int64_t max_len,
+                       const char* name, const at::Tensor* rows, int64_t b) {
+  if (rows == nullptr) {
+    TORCH_CHECK_VALUE(s >= 0, name, " must be >= 0, got ", s);
+    TORCH_CHECK_VALUE(s <= max_len - chunk, "KV cache overflow: end=",
+                      exact_end(s, chunk), " exceeds max_len=", max_len);
+    return;
+  }
+  const bool shared = rows->dim() == 0;
+  TORCH_CHECK_VALUE(s >= 0, name, " must be >= 0, got ", s,
+                    shared ? "" : " at index ", shared ? "" : std::to_string(b));
+  TORCH_CHECK_VALUE(s <= max_len - chunk, "KV cache overflow: end=",
+                    exact_end(s, chunk), " exceeds max_len=", max_len, " (",
+                    name, shared ? "" : "[", shared ? "" : std::to_string(b),
+                    shared ? "" : "]", "=", s, ", chunk=", chunk, ")");
+}
+
+// Checks a start tensor's metadata and (when readable here) its values.
+// Returns the starts (one for a 0-D tensor, else one per row); empty when
+// the values are not known on the host.
+std::vector<int64_t> check_start_rows(const at::Tensor& keys,
+                                      const at::Tensor& values,
+                                      const at::Tensor& keys_new,
+                                      const at::Tensor& values_new,
+                                      const at::Tensor& rows, const char* name,
+                                      const Shape& g, bool values_known) {
+  check_row_ints(rows, name, g.batch, keys.device());
+  check_int_rows_apart(rows, name, keys, values);
+  std::vector<int64_t> starts;
+  if (values_known && rows.device().is_cpu()) {
+    const int64_t chunk = g.chunk.expect_int();
+    const int64_t max_len = g.max_len.expect_int();
+    starts.resize(static_cast<size_t>(rows.numel()));
+    for (int64_t b = 0; b < rows.numel(); ++b) {
+      starts[b] = row_value(rows, b);
+      check_start_value(starts[b], chunk, max_len, name, &rows, b);
+    }
+  }
+  Written w;
+  w.chunk = g.chunk.maybe_as_int().value_or(0);
+  if (!starts.empty() && g.chunk.maybe_as_int()) {
+    w.kind = rows.dim() == 0 ? Written::kShared : Written::kPerRow;
+    w.start = starts[0];
+    w.starts = &starts;
+  }
+  check_sources(keys, values, keys_new, values_new, w);
+  return starts;
+}
+
+}  // namespace
+
+void check_update(const at::Tensor& keys, const at::Tensor& values,
+                  const at::Tensor& keys_new, const at::Tensor& values_new,
+                  const c10::SymInt& start) {
+  const Shape g = check_tensors(keys, values, keys_new, values_new);
+  TORCH_CHECK_VALUE(holds(start.sym_ge(0)), "start must be >= 0, got ",
+                    shown(start));
+  // Never start + chunk > max_len: that sum overflows for a start near 2^63.
+  TORCH_CHECK_VALUE(holds(start.sym_le(g.max_len - g.chunk)),
+                    "KV cache overflow: end=",
+                    exact_end(shown(start), shown(g.chunk)),
+                    " exceeds max_len=", shown(g.max_len));
+  Written w;
+  const auto s = start.maybe_as_int();
+  const auto chunk = g.chunk.maybe_as_int();
+  if (s && chunk) {
+    w.kind = Written::kShared;
+    w.start = *s;
+    w.chunk = *chunk;
+  }
+  check_sources(keys, values, keys_new, values_new, w);
+}
+
+std::vector<int64_t> check_update_tensor(const at::Tensor& keys,
+                                         const at::Tensor& values,
+                                         const at::Tensor& keys_new,
+                                         const at::Tensor& values_new,
+                                         const at::Tensor& start,
+                                         bool values_known) {
+  const Shape g = check_tensors(keys, values, keys_new, values_new);
+  return check_start_rows(keys, values, keys_new, values_new, start, "start",
+                          g, values_known);
+}
+
+std::vector<int64_t> check_append(const at::Tensor& keys,
+                                  const at::Tensor& values,
+                                  const at::Tensor& lengths,
+                                  const at::Tensor& keys_new,
+                                  const at::Tensor& values_new,
+                                  bool values_known) {
+  const Shape g = check_tensors(keys, values, keys_new, values_new);
+  check_writable(lengths, "lengths");
+  TORCH_CHECK_VALUE(!self_overlaps(box_of(lengths)),
+                    "lengths must not have internally overlapping memory (it "
+                    "is written in place, one entry per row)");
+  auto starts = check_start_rows(keys, values, keys_new, values_new, lengths,
+                                 "lengths", g, values_known);
+  // lengths is written too: it must not alias what the call reads.
+  const Box lb = box_of(lengths);
+  TORCH_CHECK_VALUE(!overlaps(lb, box_of(keys_new)) &&
+                        !overlaps(lb, box_of(values_new)),
+                    "lengths must not share memory with keys_new or "
+                    "values_new");
+  return starts;
+}
+
+}  // namespace detail
+
+namespace ops {
+
+namespace {
+
+detail::UpdateParams make_params(at::Tensor& keys, at::Tensor& values,
+                                 const at::Tensor& keys_new,
+                                 const at::Tensor& values_new) {
+  detail::UpdateParams p;
+  p.dst[0] = detail::dst_rows(keys);
+  p.dst[1] = detail::dst_rows(values);
+  p.src[0] = detail::src_rows(keys_new);
+  p.src[1] = detail::src_rows(values_new);
+  p.batch = keys.size(0);
+  p.heads = keys.size(1);
+  p.max_len = keys.size(2);
+  p.head_dim = keys.size(3);
+  p.chunk = keys_new.size(2);
+  p.elem = static_cast<int64_t>(keys.element_size());
+  return p;
+}
+
+}  // namespace
+
+at::Tensor update_(at::Tensor& keys, at::Tensor& values,
+                   const at::Tensor& keys_new, const at::Tensor& values_new,
+                   int64_t start) {
+  detail::check_update(keys, values, keys_new, values_new, start);
+  at::Tensor length = at::empty({}, keys.options().dtype(at::kInt));
+  auto p = make_params(keys, values, keys_new, values_new);
+  p.start = start;
+  p.host_starts = &start;
+  p.lengths_out = detail::int_rows(length);
+  detail::update_stub.get(keys.device().type(), "update_")(p);
+  return length;
+}
+
+at::Tensor update_tensor_(at::Tensor& keys, at::Tensor& values,
+                          const at::Tensor& keys_new,
+                          const at::Tensor& values_new,
+                          const at::Tensor& start) {
+  const auto starts = detail::check_update_tensor(keys, values, keys_new,
+                                                  values_new, start, true);
+  at::Tensor length = at::empty(start.sizes(), keys.options().dtype(at::kInt));
+  auto p = make_params(keys, values, keys_new, values_new);
+  p.starts = detail::int_rows(start);
+  p.host_starts = starts.empty() ? nullptr : starts.data();
+  p.lengths_out = detail::int_rows(length);
+  detail::update_stub.get(keys.device().type(), "update_")(p);
+  return length;
+}
+
+void append_(at::Tensor& keys, at::Tensor& values, at::Tensor& lengths,
+             const at::Tensor& keys_new, const at::Tensor& values_new) {
+  const auto starts = detail::check_append(keys, values, lengths, keys_new,
+                                           values_new, true);
+  auto p = make_params(keys, values, keys_new, values_new);
+  p.starts = detail::int_rows(lengths);
+  p.host_starts = starts.empty() ? nullptr : starts.data();
+  p.lengths_out = p.starts;
+  detail::update_stub.get(keys.device().type(), "append_")(p);
+}
+
+}  // namespace ops
+}  // namespace kvcache

@@ -1,0 +1,80 @@
+// The write operators: update_ (host start), update_.Tensor (start read on
+// the device) and append_ (start = the caller's lengths, advanced in place).
+//
+// All three copy keys_new / values_new (batch, heads, chunk, head_dim) into
+// rows [start_b, start_b + chunk) of keys / values (batch, heads, max_len,
+// head_dim), both buffers in one pass. They share one set of checks
+// (check_update_*, also run by the fake kernels while tracing) and one
+// device stub per backend.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/SymInt.h>
+
+#include <vector>
+
+#include "../core/device_stub.h"
+#include "kvcache/export.h"
+#include "../core/params.h"
+
+namespace kvcache {
+namespace detail {
+
+struct UpdateParams {
+  DstRows dst[2];  // keys, values
+  SrcRows src[2];  // keys_new, values_new
+  int64_t batch = 0;
+  int64_t heads = 0;
+  int64_t chunk = 0;
+  int64_t head_dim = 0;
+  int64_t max_len = 0;
+  int64_t elem = 0;  // bytes per element
+  // Where row b starts. CPU: host_starts (checked; one entry, or one per
+  // row). CUDA: `starts` on the device when present (update_.Tensor's
+  // start, append_'s lengths; checked by the kernel), else `start`.
+  int64_t start = 0;
+  IntRows starts;
+  const int64_t* host_starts = nullptr;
+  // Receives start_b + chunk: the op's new length tensor (update_,
+  // update_.Tensor) or the caller's lengths, in place (append_).
+  IntRows lengths_out;
+};
+
+using UpdateFn = void (*)(const UpdateParams&);
+extern DeviceStub<UpdateFn> update_stub;
+
+// Checks shared by eager kernels and fake kernels. `values_known` is false
+// while tracing: a device tensor's values are then checked by the kernel.
+KVCACHE_API void check_update(const at::Tensor& keys, const at::Tensor& values,
+                  const at::Tensor& keys_new, const at::Tensor& values_new,
+                  const c10::SymInt& start);
+KVCACHE_API std::vector<int64_t> check_update_tensor(const at::Tensor& keys,
+                                         const at::Tensor& values,
+                                         const at::Tensor& keys_new,
+                                         const at::Tensor& values_new,
+                                         const at::Tensor& start,
+                                         bool values_known);
+KVCACHE_API std::vector<int64_t> check_append(const at::Tensor& keys,
+                                  const at::Tensor& values,
+                                  const at::Tensor& lengths,
+                                  const at::Tensor& keys_new,
+                                  const at::Tensor& values_new,
+                                  bool values_known);
+
+}  // namespace detail
+
+// Operator entry points (registered in csrc/schema.cpp).
+namespace ops {
+
+at::Tensor update_(at::Tensor& keys, at::Tensor& values,
+                   const at::Tensor& keys_new, const at::Tensor& values_new,
+                   int64_t start);
+at::Tensor update_tensor_(at::Tensor& keys, at::Tensor& values,
+                          const at::Tensor& keys_new,
+                          const at::Tensor& values_new,
+                          const at::Tensor& start);
+void append_(at::Tensor& keys, at::Tensor& values, at::Tensor& lengths,
+             const at::Tensor& keys_new, const at::Tensor& values_new);
+
+}  // namespace ops
+}  // namespace kvcache
