@@ -1,0 +1,143 @@
+"""Shared benchmark helpers: timing with spreads, thread settings, tables, JSON.
+
+Every comparison is timed side by side in one process: the methods of a case
+are interleaved over several rounds (so drift on a shared machine hits all
+alike), each round is a ``torch.utils.benchmark`` blocked autorange, and a
+row reports the median over rounds with the spread (min and max of the round
+medians) and the IQR of the fastest round. Cases run at 1 thread and at the
+default thread count: on a 2-core machine shared with other work, an OpenMP
+region can cost milliseconds, and the 1-thread figure is the stable one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterable, List, Optional
+
+import torch
+from torch.utils import benchmark
+
+import kvcache
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextmanager
+def num_threads(n: int):
+    """Runs the block with ``n`` intra-op threads (0: leave the default)."""
+    saved = torch.get_num_threads()
+    if n > 0:
+        torch.set_num_threads(n)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _round(fn: Callable[[], object], device: torch.device, min_run_time: float) -> Dict[str, float]:
+    timer = benchmark.Timer(
+        stmt="fn(); sync(device)" if device.type == "cuda" else "fn()",
+        globals={"fn": fn, "sync": sync, "device": device},
+        num_threads=torch.get_num_threads(),
+    )
+    m = timer.blocked_autorange(min_run_time=min_run_time)
+    return {"median_us": m.median * 1e6, "iqr_us": m.iqr * 1e6}
+
+
+def measure_many(
+    fns: Dict[str, Callable[[], object]], device: torch.device, min_time: float, rounds: int = 3
+) -> Dict[str, Dict[str, float]]:
+    """Median time of one call of each method, in microseconds, with its spread.
+
+    Returns, per method: ``median_us`` (median of the round medians),
+    ``min_us`` / ``max_us`` (their range: the spread), ``iqr_us`` (within the
+    median round) and ``rounds``.
+    """
+    for fn in fns.values():  # warm-up: allocator, caches, lazy init
+        for _ in range(3):
+            fn()
+    sync(device)
+    samples: Dict[str, List[Dict[str, float]]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(_round(fn, device, min_time / rounds))
+    out = {}
+    for name, ms in samples.items():
+        medians = sorted(m["median_us"] for m in ms)
+        mid = sorted(ms, key=lambda m: m["median_us"])[len(ms) // 2]
+        out[name] = {
+            "median_us": statistics.median(medians),
+            "min_us": medians[0],
+            "max_us": medians[-1],
+            "iqr_us": mid["iqr_us"],
+            "rounds": len(ms),
+        }
+    return out
+
+
+def print_table(title: str, rows: List[dict], cols: List[str]) -> None:
+    print(f"\n### {title}\n")
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols]
+    print("| " + " | ".join(c.ljust(w) for c, w in zip(cols, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in rows:
+        print("| " + " | ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(cols, widths)) + " |")
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:,.0f}"
+    return "" if v is None else str(v)
+
+
+def spread(row: dict) -> str:
+    """'median (min-max)' of a measured row, for tables."""
+    return f"{_fmt(row['median_us'])} ({_fmt(row['min_us'])}-{_fmt(row['max_us'])})"
+
+
+def environment(device: torch.device) -> dict:
+    return dict(
+        torch=torch.__version__,
+        device=str(device),
+        python=platform.python_version(),
+        machine=platform.machine(),
+        processor=platform.processor(),
+        default_threads=torch.get_num_threads(),
+        gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        kvcache_build=kvcache.build_info(),
+    )
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 0],
+                   help="intra-op thread counts to run every case at (0: the default)")
+    p.add_argument("--min-time", type=float, default=0.3, help="seconds of timing per method and shape")
+    p.add_argument("--quick", action="store_true", help="fewer shapes, less time (a smoke run)")
+    p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+
+
+def thread_settings(values: Iterable[int]) -> List[int]:
+    out = []
+    for v in values:
+        if v not in out:
+            out.append(v)
+    return out
+
+
+def write_json(path: Optional[str], env: dict, args: argparse.Namespace, rows: List[dict]) -> None:
+    if not path:
+        return
+    path = os.path.abspath(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(dict(env=env, args=vars(args), rows=rows), f, indent=1)
+    print(f"\nresults written to {path}")
