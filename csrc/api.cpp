@@ -70,20 +70,20 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys,
                  options.window, options.softcap);
 }
 
-void rollback_(at::Tensor& lengths, const at::Tensor& n,
-               const std::optional<at::Tensor>& kv_start) {
+at::Tensor rollback(const at::Tensor& lengths, const at::Tensor& n,
+                    const std::optional<at::Tensor>& kv_start) {
   static const auto op =
-      typed<void(at::Tensor&, const at::Tensor&,
-                 const std::optional<at::Tensor>&)>("kvcache::rollback_", "");
-  op.call(lengths, n, kv_start);
+      typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                       const std::optional<at::Tensor>&)>("kvcache::rollback", "");
+  return op.call(lengths, n, kv_start);
 }
 
-void select_rows_(at::Tensor& keys, at::Tensor& values, at::Tensor& lengths,
-                  const at::Tensor& index) {
+at::Tensor select_rows_(at::Tensor& keys, at::Tensor& values,
+                        const at::Tensor& lengths, const at::Tensor& index) {
   static const auto op =
-      typed<void(at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&)>(
-          "kvcache::select_rows_", "");
-  op.call(keys, values, lengths, index);
+      typed<at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor&,
+                       const at::Tensor&)>("kvcache::select_rows_", "");
+  return op.call(keys, values, lengths, index);
 }
 
 KVLayerCache init_kv_layer_cache(int64_t batch_size, int64_t num_kv_heads,

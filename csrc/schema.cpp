@@ -61,17 +61,18 @@ TORCH_LIBRARY(kvcache, m) {
       "Tensor? kv_start=None, float? scale=None, int window=0, "
       "float softcap=0.0) -> Tensor");
 
-  // lengths -= n in place (drop the last n[b] tokens of each row; nothing is
-  // copied: later writes overwrite the stale slots and attend never reads
-  // them). Refuses to go below kv_start (default 0).
-  m.def("rollback_(Tensor(a!) lengths, Tensor n, *, Tensor? kv_start=None) -> ()");
+  // The lengths after dropping the last n[b] tokens of each row: lengths - n
+  // as a new tensor (nothing else moves: later writes overwrite the stale
+  // slots and attend never reads them). Refuses to go below kv_start
+  // (default 0). New lengths rather than an in-place write: see rows.h.
+  m.def("rollback(Tensor lengths, Tensor n, *, Tensor? kv_start=None) -> Tensor");
 
-  // Row b of keys, values and lengths takes the contents of row index[b],
-  // for every row at once (any index: permutation, repeats, subset), in
-  // place; only the filled slots of the source rows are copied.
+  // Row b of keys and values takes the filled slots of row index[b], for
+  // every row at once (any index: permutation, repeats, subset), in place;
+  // returns the new lengths, lengths[index] (0-D lengths: unchanged).
   m.def(
-      "select_rows_(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) lengths, "
-      "Tensor index) -> ()");
+      "select_rows_(Tensor(a!) keys, Tensor(b!) values, Tensor lengths, "
+      "Tensor index) -> Tensor");
 }
 
 namespace {
@@ -86,12 +87,13 @@ void register_entries(torch::Library& m) {
   m.impl("update_.Tensor", &kvcache::ops::update_tensor_);
   m.impl("append_", &kvcache::ops::append_);
   m.impl("attend", &kvcache::ops::attend);
-  m.impl("rollback_", &kvcache::ops::rollback_);
+  m.impl("rollback", &kvcache::ops::rollback);
   m.impl("select_rows_", &kvcache::ops::select_rows_);
 }
 
 constexpr const char* kWriteOps[] = {"update_", "update_.Tensor", "append_",
-                                     "rollback_", "select_rows_"};
+                                     "select_rows_"};
+constexpr const char* kReadOps[] = {"attend", "rollback"};
 
 }  // namespace
 
@@ -115,16 +117,16 @@ TORCH_LIBRARY_IMPL(kvcache, CompositeExplicitAutograd, m) {
 // detach), version bumps for what is written, no lazy conj/neg writes.
 TORCH_LIBRARY_IMPL(kvcache, Autograd, m) {
   for (const char* op : kWriteOps) m.impl(op, kvcache::detail::autograd_guard());
-  m.impl("attend", kvcache::detail::autograd_guard());
+  for (const char* op : kReadOps) m.impl(op, kvcache::detail::autograd_guard());
 }
 TORCH_LIBRARY_IMPL(kvcache, ADInplaceOrView, m) {
   for (const char* op : kWriteOps) m.impl(op, kvcache::detail::inplace_version_bump());
 }
 TORCH_LIBRARY_IMPL(kvcache, Conjugate, m) {
   for (const char* op : kWriteOps) m.impl(op, kvcache::detail::math_bits_guard());
-  m.impl("attend", kvcache::detail::math_bits_guard());
+  for (const char* op : kReadOps) m.impl(op, kvcache::detail::math_bits_guard());
 }
 TORCH_LIBRARY_IMPL(kvcache, Negative, m) {
   for (const char* op : kWriteOps) m.impl(op, kvcache::detail::math_bits_guard());
-  m.impl("attend", kvcache::detail::math_bits_guard());
+  for (const char* op : kReadOps) m.impl(op, kvcache::detail::math_bits_guard());
 }

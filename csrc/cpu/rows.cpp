@@ -1,4 +1,4 @@
-// CPU work of rollback_ and select_rows_ (see csrc/ops/rows.h).
+// CPU work of rollback and select_rows_ (see csrc/ops/rows.h).
 #include <cstdint>
 #include <vector>
 
@@ -13,7 +13,7 @@ using detail::SelectRowsParams;
 
 void rollback_cpu(const RollbackParams& p) {
   for (int64_t b = 0; b < p.rows; ++b) {
-    detail::write_row(p.lengths, b, p.host_new_lengths[b]);
+    detail::write_row(p.out, b, p.host_new_lengths[b]);
   }
 }
 
@@ -56,10 +56,9 @@ void select_rows_cpu(const SelectRowsParams& p) {
       }
     }
   }
-  if (p.lengths.stride != 0 || p.lengths.numel > 1) {
-    for (int64_t b = 0; b < p.batch; ++b) {
-      detail::write_row(p.lengths, b, p.host_lengths[p.host_index[b]]);
-    }
+  // A 0-D lengths (every row the same) is unchanged by any selection.
+  for (int64_t b = 0; b < p.out.numel; ++b) {
+    detail::write_row(p.out, b, p.host_lengths[p.host_index[b]]);
   }
 }
 

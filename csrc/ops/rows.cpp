@@ -1,5 +1,6 @@
 #include "rows.h"
 
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <string>
@@ -34,12 +35,10 @@ void check_like_lengths(const at::Tensor& t, const char* name,
       name, " must be a 0-D tensor or have the shape of lengths ",
       lengths.sym_sizes(), ", got shape ", t.sym_sizes());
   check_device(t, lengths.device(), name, "the device of lengths");
-  TORCH_CHECK_VALUE(!overlaps(box_of(t), box_of(lengths)), name,
-                    " must not share memory with lengths (written in place)");
 }
 
 void check_lengths_tensor(const at::Tensor& lengths) {
-  check_writable(lengths, "lengths");
+  check_dense(lengths, "lengths");
   TORCH_CHECK_TYPE(
       lengths.scalar_type() == at::kInt || lengths.scalar_type() == at::kLong,
       "lengths must be an int32 or int64 tensor, got dtype ",
@@ -48,9 +47,6 @@ void check_lengths_tensor(const at::Tensor& lengths) {
                     "lengths must be a 0-D tensor or have shape (batch,), got "
                     "shape ",
                     lengths.sym_sizes());
-  TORCH_CHECK_VALUE(!self_overlaps(box_of(lengths)),
-                    "lengths must not have internally overlapping memory (it "
-                    "is written in place, one entry per row)");
 }
 
 }  // namespace
@@ -99,11 +95,7 @@ SelectRowsValues check_select_rows(const at::Tensor& keys,
                                    const at::Tensor& index, bool values_known) {
   check_cache(keys, values);
   const c10::SymInt batch = keys.sym_size(0);
-  check_writable(lengths, "lengths");
   check_row_ints(lengths, "lengths", batch, keys.device());
-  TORCH_CHECK_VALUE(!self_overlaps(box_of(lengths)),
-                    "lengths must not have internally overlapping memory (it "
-                    "is written in place, one entry per row)");
   check_dense(index, "index");
   TORCH_CHECK_TYPE(
       index.scalar_type() == at::kInt || index.scalar_type() == at::kLong,
@@ -121,9 +113,6 @@ SelectRowsValues check_select_rows(const at::Tensor& keys,
     TORCH_CHECK_VALUE(!overlaps(b, box_of(keys)) && !overlaps(b, box_of(values)),
                       name, " must not share memory with keys or values");
   }
-  TORCH_CHECK_VALUE(!overlaps(box_of(index), box_of(lengths)),
-                    "index must not share memory with lengths (written in "
-                    "place)");
 
   SelectRowsValues out;
   if (!values_known || !keys.device().is_cpu()) {
@@ -150,20 +139,23 @@ SelectRowsValues check_select_rows(const at::Tensor& keys,
 
 namespace ops {
 
-void rollback_(at::Tensor& lengths, const at::Tensor& n,
-               const std::optional<at::Tensor>& kv_start) {
+at::Tensor rollback(const at::Tensor& lengths, const at::Tensor& n,
+                    const std::optional<at::Tensor>& kv_start) {
   const auto next = detail::check_rollback(lengths, n, kv_start, true);
+  at::Tensor out = at::empty(lengths.sizes(), lengths.options());
   detail::RollbackParams p;
   p.lengths = detail::int_rows(lengths);
   p.n = detail::int_rows(n);
   if (kv_start.has_value()) p.kv_start = detail::int_rows(*kv_start);
+  p.out = detail::int_rows(out);
   p.rows = lengths.numel();
   p.host_new_lengths = next.empty() ? nullptr : next.data();
-  detail::rollback_stub.get(lengths.device().type(), "rollback_")(p);
+  detail::rollback_stub.get(lengths.device().type(), "rollback")(p);
+  return out;
 }
 
-void select_rows_(at::Tensor& keys, at::Tensor& values, at::Tensor& lengths,
-                  const at::Tensor& index) {
+at::Tensor select_rows_(at::Tensor& keys, at::Tensor& values,
+                        const at::Tensor& lengths, const at::Tensor& index) {
   const auto vals =
       detail::check_select_rows(keys, values, lengths, index, true);
   detail::SelectRowsParams p;
@@ -176,9 +168,12 @@ void select_rows_(at::Tensor& keys, at::Tensor& values, at::Tensor& lengths,
   p.elem = static_cast<int64_t>(keys.element_size());
   p.lengths = detail::int_rows(lengths);
   p.index = detail::int_rows(index);
+  at::Tensor out = at::empty(lengths.sizes(), lengths.options());
+  p.out = detail::int_rows(out);
   p.host_lengths = vals.lengths.empty() ? nullptr : vals.lengths.data();
   p.host_index = vals.index.empty() ? nullptr : vals.index.data();
   detail::select_rows_stub.get(keys.device().type(), "select_rows_")(p);
+  return out;
 }
 
 }  // namespace ops

@@ -1,7 +1,14 @@
-// Operators that move whole rows of a cache: rollback_ (drop the last n[b]
-// tokens of each row) and select_rows_ (row b takes the contents of row
-// index[b]: beam reorder, forking, compaction), in place, the buffers keeping
-// their addresses.
+// Operators on whole rows of a cache: rollback (the lengths after dropping
+// the last n[b] tokens of each row) and select_rows_ (row b takes the
+// contents of row index[b]: beam reorder, forking, compaction, in place, the
+// buffers keeping their addresses).
+//
+// Both return new lengths instead of writing the caller's: the Python API
+// copies them into the cache's length tensor. Under torch.compile that
+// copy_ is functionalized, while an in-place custom op on a graph-input
+// length tensor is exposed to an Inductor bug (torch 2.13): a pointwise read
+// of the tensor made before the op can be re-inlined after it and see the
+// new value (see docs/design.md).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -17,9 +24,10 @@ namespace kvcache {
 namespace detail {
 
 struct RollbackParams {
-  IntRows lengths;   // in place
+  IntRows lengths;   // read
   IntRows n;
   IntRows kv_start;  // absent: 0
+  IntRows out;       // lengths - n (lengths' dtype and shape), or -1 (CUDA)
   int64_t rows = 0;  // entries of lengths
   const int64_t* host_new_lengths = nullptr;  // CPU: checked results
 };
@@ -33,8 +41,9 @@ struct SelectRowsParams {
   int64_t max_len = 0;
   int64_t head_dim = 0;
   int64_t elem = 0;
-  IntRows lengths;  // in place: lengths[b] <- lengths[index[b]]
+  IntRows lengths;  // read
   IntRows index;    // (batch,)
+  IntRows out;      // lengths[index[b]] (lengths' dtype and shape), or -1 (CUDA)
   // CPU: the checked values (one length per row).
   const int64_t* host_lengths = nullptr;
   const int64_t* host_index = nullptr;
@@ -62,10 +71,10 @@ KVCACHE_API SelectRowsValues check_select_rows(const at::Tensor& keys,
 // Operator entry points (registered in csrc/schema.cpp).
 namespace ops {
 
-void rollback_(at::Tensor& lengths, const at::Tensor& n,
-               const std::optional<at::Tensor>& kv_start);
-void select_rows_(at::Tensor& keys, at::Tensor& values, at::Tensor& lengths,
-                  const at::Tensor& index);
+at::Tensor rollback(const at::Tensor& lengths, const at::Tensor& n,
+                    const std::optional<at::Tensor>& kv_start);
+at::Tensor select_rows_(at::Tensor& keys, at::Tensor& values,
+                        const at::Tensor& lengths, const at::Tensor& index);
 
 }  // namespace ops
 }  // namespace kvcache

@@ -97,7 +97,7 @@ PYBIND11_MODULE(_C, m) {
             d::check_rollback(lengths, n, kv_start, false);
           });
         },
-        "Checks rollback_'s arguments (not their values).");
+        "Checks rollback's arguments (not their values).");
   m.def("check_select_rows",
         [](const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& lengths, const at::Tensor& index) {

@@ -53,11 +53,13 @@ def _attend_fake(q, keys, values, lengths, *, kv_start=None, scale=None, window=
     return q.new_empty((b, s, h, d)).transpose(1, 2)
 
 
-@torch.library.register_fake(_lib + "rollback_")
+@torch.library.register_fake(_lib + "rollback")
 def _rollback_fake(lengths, n, *, kv_start=None):
     _C.check_rollback(lengths, n, kv_start)
+    return torch.empty_like(lengths, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake(_lib + "select_rows_")
 def _select_rows_fake(keys, values, lengths, index):
     _C.check_select_rows(keys, values, lengths, index)
+    return torch.empty_like(lengths, memory_format=torch.contiguous_format)

@@ -24,7 +24,7 @@ _update_op = torch.ops.kvcache.update_.default
 _update_tensor_op = torch.ops.kvcache.update_.Tensor
 _append_op = torch.ops.kvcache.append_.default
 _attend_op = torch.ops.kvcache.attend.default
-_rollback_op = torch.ops.kvcache.rollback_.default
+_rollback_op = torch.ops.kvcache.rollback.default
 _select_rows_op = torch.ops.kvcache.select_rows_.default
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -277,6 +277,14 @@ def append_kv_layer_cache(cache: KVLayerCache, keys_new: torch.Tensor, values_ne
         return cache
     if not isinstance(cache, KVLayerCache):
         raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
+    if torch.compiler.is_compiling():
+        # Traced (torch.compile, torch.export): write with the functional
+        # update_.Tensor and copy the new lengths back. Inductor (torch 2.13)
+        # can re-inline a pointwise read of a graph input made before a custom
+        # op that mutates it in place after that op, where it sees the new
+        # value (docs/design.md has the repro); a copy_ is functionalized.
+        cache.length.copy_(_update_tensor_op(cache.keys, cache.values, keys_new, values_new, cache.length))
+        return cache
     _append_op(cache.keys, cache.values, cache.length, keys_new, values_new)
     return cache
 
@@ -368,14 +376,15 @@ def rollback_kv_layer_cache(
 
     Raises:
         ValueError: If ``n`` is negative or larger than a row holds (CPU;
-            nothing changes). On CUDA every length becomes -1 instead.
+            nothing changes). On CUDA every length becomes -1 instead
+            (check ``(cache.length >= 0).all()`` where a sync is fine).
         TypeError: If ``n`` is not an int or an integer tensor.
     """
     if not isinstance(cache, KVLayerCache):
         raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
     if not isinstance(n, torch.Tensor):
         n = torch.tensor(_as_int("n", n), dtype=torch.int64, device=cache.length.device)
-    _rollback_op(cache.length, n, kv_start=kv_start)
+    cache.length.copy_(_rollback_op(cache.length, n, kv_start=kv_start))
     return cache
 
 
@@ -404,7 +413,7 @@ def select_kv_layer_cache_rows(cache: KVLayerCache, index: torch.Tensor) -> KVLa
     """
     if not isinstance(cache, KVLayerCache):
         raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
-    _select_rows_op(cache.keys, cache.values, cache.length, index)
+    cache.length.copy_(_select_rows_op(cache.keys, cache.values, cache.length, index))
     return cache
 
 

@@ -173,7 +173,7 @@ TEST_CASE("init_decoder_kv_caches gives distinct caches", "[api]") {
 
 // Calls every function of the header (a typed handle whose signature drifted
 // from csrc/schema.cpp throws here), each against plain ATen.
-TEST_CASE("append_, attend, rollback_ and select_rows_ through the C++ API", "[api]") {
+TEST_CASE("append_, attend, rollback and select_rows_ through the C++ API", "[api]") {
   auto cache = kvcache::init_kv_layer_cache(2, 2, 8, 16, at::kFloat);
   cache.length = at::zeros({2}, at::kInt);
   auto k = at::randn({2, 2, 5, 8}), v = at::randn({2, 2, 5, 8});
@@ -198,13 +198,13 @@ TEST_CASE("append_, attend, rollback_ and select_rows_ through the C++ API", "[a
   REQUIRE(at::allclose(kvcache::attend(q, cache.keys, cache.values, cache.length, opts),
                        values.narrow(2, 4, 2), 1e-5, 1e-5));
 
-  kvcache::rollback_(cache.length, at::tensor({1, 3}, at::kInt));
+  cache.length = kvcache::rollback(cache.length, at::tensor({1, 3}, at::kInt));
   REQUIRE(at::equal(cache.length, at::tensor({5, 3}, at::kInt)));
-  REQUIRE_THROWS_WITH(kvcache::rollback_(cache.length, at::tensor({6, 0}, at::kInt)),
+  REQUIRE_THROWS_WITH(kvcache::rollback(cache.length, at::tensor({6, 0}, at::kInt)),
                       KV_CONTAINS("cannot roll back more tokens than the row holds"));
 
   auto row0 = cache.keys.select(0, 0).narrow(1, 0, 5).clone();
-  kvcache::select_rows_(cache.keys, cache.values, cache.length, at::tensor({0, 0}));
+  cache.length = kvcache::select_rows_(cache.keys, cache.values, cache.length, at::tensor({0, 0}));
   REQUIRE(at::equal(cache.length, at::tensor({5, 5}, at::kInt)));
   REQUIRE(at::equal(cache.keys.select(0, 1).narrow(1, 0, 5), row0));
   REQUIRE_THROWS_AS(kvcache::select_rows_(cache.keys, cache.values, cache.length, at::tensor({0, 2})),

@@ -33,11 +33,11 @@ TEST_CASE("schemas are registered with mutation annotations", "[dispatcher]") {
   REQUIRE(schema_of("kvcache::attend") ==
           "kvcache::attend(Tensor q, Tensor keys, Tensor values, Tensor lengths, *, "
           "Tensor? kv_start=None, float? scale=None, int window=0, float softcap=0.) -> Tensor");
-  REQUIRE(schema_of("kvcache::rollback_") ==
-          "kvcache::rollback_(Tensor(a!) lengths, Tensor n, *, Tensor? kv_start=None) -> ()");
+  REQUIRE(schema_of("kvcache::rollback") ==
+          "kvcache::rollback(Tensor lengths, Tensor n, *, Tensor? kv_start=None) -> Tensor");
   REQUIRE(schema_of("kvcache::select_rows_") ==
-          "kvcache::select_rows_(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) lengths, "
-          "Tensor index) -> ()");
+          "kvcache::select_rows_(Tensor(a!) keys, Tensor(b!) values, Tensor lengths, "
+          "Tensor index) -> Tensor");
   REQUIRE(schema_of("kvcache::init_layer_cache") ==
           "kvcache::init_layer_cache(SymInt batch_size, SymInt num_kv_heads, SymInt head_dim, "
           "SymInt max_len, *, ScalarType? dtype=None, Device? device=None) -> "
@@ -47,7 +47,7 @@ TEST_CASE("schemas are registered with mutation annotations", "[dispatcher]") {
 TEST_CASE("kernels are registered for the backends and the guards", "[dispatcher]") {
   for (auto [name, overload] : {std::pair{"kvcache::update_", ""}, {"kvcache::update_", "Tensor"},
                                 {"kvcache::append_", ""}, {"kvcache::attend", ""},
-                                {"kvcache::rollback_", ""}, {"kvcache::select_rows_", ""}}) {
+                                {"kvcache::rollback", ""}, {"kvcache::select_rows_", ""}}) {
     auto op = c10::Dispatcher::singleton().findSchema({name, overload});
     REQUIRE(op.has_value());
     for (auto key : {c10::DispatchKey::CPU, c10::DispatchKey::CUDA, c10::DispatchKey::SparseCPU,

@@ -92,17 +92,18 @@ KVCACHE_API at::Tensor attend(const at::Tensor& q, const at::Tensor& keys,
                               const at::Tensor& lengths,
                               const AttendOptions& options = {});
 
-/// kvcache::rollback_: lengths -= n in place (n: 0-D or lengths' shape).
-/// Throws (CPU) if a row would go below kv_start (default 0); on CUDA every
-/// length becomes -1 instead.
-KVCACHE_API void rollback_(at::Tensor& lengths, const at::Tensor& n,
-                           const std::optional<at::Tensor>& kv_start = std::nullopt);
+/// kvcache::rollback: returns lengths - n (n: 0-D or lengths' shape), a new
+/// tensor. Throws (CPU) if a row would go below kv_start (default 0); on CUDA
+/// every returned length is -1 instead.
+KVCACHE_API at::Tensor rollback(const at::Tensor& lengths, const at::Tensor& n,
+                                const std::optional<at::Tensor>& kv_start = std::nullopt);
 
-/// kvcache::select_rows_: row b of keys, values and lengths takes the
-/// contents of row index[b] ((batch,) int32/int64), in place; only filled
-/// slots are copied.
-KVCACHE_API void select_rows_(at::Tensor& keys, at::Tensor& values,
-                              at::Tensor& lengths, const at::Tensor& index);
+/// kvcache::select_rows_: row b of keys and values takes the filled slots of
+/// row index[b] ((batch,) int32/int64), in place. Returns the new lengths,
+/// lengths[index] (0-D lengths: unchanged).
+KVCACHE_API at::Tensor select_rows_(at::Tensor& keys, at::Tensor& values,
+                                    const at::Tensor& lengths,
+                                    const at::Tensor& index);
 
 // ---- The API of the original module, and what a decode loop needs ---------
 
