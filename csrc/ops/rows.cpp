@@ -159,6 +159,7 @@ void rollback_(at::Tensor& lengths, const at::Tensor& n,
   if (kv_start.has_value()) p.kv_start = detail::int_rows(*kv_start);
   p.rows = lengths.numel();
   p.host_new_lengths = next.empty() ? nullptr : next.data();
+  p.device_index = lengths.device().index();
   detail::rollback_stub.get(lengths.device().type(), "rollback_")(p);
 }
 
@@ -178,6 +179,7 @@ void select_rows_(at::Tensor& keys, at::Tensor& values, at::Tensor& lengths,
   p.index = detail::int_rows(index);
   p.host_lengths = vals.lengths.empty() ? nullptr : vals.lengths.data();
   p.host_index = vals.index.empty() ? nullptr : vals.index.data();
+  p.device_index = keys.device().index();
   detail::select_rows_stub.get(keys.device().type(), "select_rows_")(p);
 }
 
