@@ -292,8 +292,9 @@ def test_copy_units_one_tensor_at_a_time(dtype, head_dim, odd, kind):
     starts = [4, 15, 0]
     # The reference works on bytes (torch's own kernels may fault on a misaligned tensor).
     ek, ev = reference_update(bytes_of(keys), bytes_of(values), bytes_of(kn), bytes_of(vn), starts)
+    start = ints(starts)
     with no_sync():
-        ops.update_.Tensor(keys, values, kn, vn, ints(starts))
+        ops.update_.Tensor(keys, values, kn, vn, start)
     torch.cuda.synchronize()  # a misaligned access surfaces here
     assert torch.equal(bytes_of(keys), ek)
     assert torch.equal(bytes_of(values), ev)
@@ -348,8 +349,9 @@ def test_all_or_nothing_many_blocks(start_dtype, where):
     if where != "none":
         starts[{"first": 0, "middle": b // 2, "last": b - 1}[where]] = t - chunk + 1
     ek, ev = reference_update(keys, values, kn, vn, starts) if where == "none" else (keys.clone(), values.clone())
+    start = ints(starts, start_dtype)
     with no_sync():
-        length = ops.update_.Tensor(keys, values, kn, vn, ints(starts, start_dtype))
+        length = ops.update_.Tensor(keys, values, kn, vn, start)
     assert_same(keys, ek)
     assert_same(values, ev)
     expected = [s + chunk for s in starts] if where == "none" else [-1] * b
@@ -364,9 +366,10 @@ def test_large_cache_64bit_offsets():
     values = torch.zeros_like(keys)
     kn = torch.randint(1, 100, (b, h, 2, d), dtype=torch.int8, device=DEV)
     vn = torch.randint(1, 100, (b, h, 2, d), dtype=torch.int8, device=DEV)
+    start = ints(t - 4)
     with no_sync():
         ops.update_(keys, values, kn, vn, t - 2)
-        ops.update_.Tensor(keys, values, kn.flip(-1), vn.flip(-1), ints(t - 4))
+        ops.update_.Tensor(keys, values, kn.flip(-1), vn.flip(-1), start)
     assert torch.equal(keys[:, :, t - 2 :], kn) and torch.equal(values[:, :, t - 2 :], vn)
     assert torch.equal(keys[:, :, t - 4 : t - 2], kn.flip(-1)) and torch.equal(values[:, :, t - 4 : t - 2], vn.flip(-1))
     assert int(torch.count_nonzero(keys[:, :, : t - 4])) == 0
@@ -595,8 +598,9 @@ def test_attend_kv_start_window_softcap_scale(dtype, seq):
 def test_attend_queries_that_see_nothing_output_zero():
     lengths, first = [10, 10], [10, 8]  # row 0 sees nothing; row 1: query i sees [8, 7 + i]
     q, keys, values = attend_case(torch.float32, 2, 2, 2, 64, 4, lengths, 16)
+    lens, firsts = ints(lengths), ints(first)
     with no_sync():
-        out = ops.attend(q, keys, values, ints(lengths), kv_start=ints(first))
+        out = ops.attend(q, keys, values, lens, kv_start=firsts)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     assert torch.equal(out[1, :, :2], torch.zeros_like(out[1, :, :2]))  # slots 6, 7 < kv_start
     ref = reference_attend(q, keys, values, torch.tensor(lengths), torch.tensor(first))
@@ -659,8 +663,9 @@ def test_attend_matches_cpu_kernel():
     """The CUDA and CPU kernels (both float32 accumulation) agree closely."""
     lengths = [37, 512, 1]
     q, keys, values = attend_case(torch.float32, 3, 8, 2, 96, 1, lengths, 600, poison=False)
+    lens = ints(lengths)
     with no_sync():
-        out = ops.attend(q, keys, values, ints(lengths), window=100, softcap=20.0)
+        out = ops.attend(q, keys, values, lens, window=100, softcap=20.0)
     cpu = ops.attend(q.cpu(), keys.cpu(), values.cpu(), torch.tensor(lengths), window=100, softcap=20.0)
     torch.testing.assert_close(out.cpu(), cpu, atol=1e-5, rtol=1e-5)
 
@@ -671,15 +676,17 @@ def test_attend_matches_cpu_kernel():
 @pytest.mark.parametrize("len_dtype", [torch.int32, torch.int64])
 def test_rollback(len_dtype):
     lengths = ints([10, 7, 30, 0], len_dtype)
+    n, first = ints([3, 7, 0, 0]), ints([2, 0, 5, 0])
     with no_sync():
-        ops.rollback_(lengths, ints([3, 7, 0, 0]), kv_start=ints([2, 0, 5, 0]))
+        ops.rollback_(lengths, n, kv_start=first)
     assert lengths.tolist() == [7, 0, 30, 0]
+    two = ints(2, torch.int32)
     with no_sync():
-        ops.rollback_(lengths, ints(2, torch.int32))  # 0-D n: every row... but row 1 holds 0
+        ops.rollback_(lengths, two)  # a 0-D n for every row, but row 1 holds 0: all poisoned
     assert lengths.tolist() == [-1, -1, -1, -1]
-    scalar = ints(12, len_dtype)
+    scalar, five = ints(12, len_dtype), ints(5)
     with no_sync():
-        ops.rollback_(scalar, ints(5))
+        ops.rollback_(scalar, five)
     assert int(scalar) == 7
 
 
@@ -699,8 +706,9 @@ def test_rollback(len_dtype):
 def test_rollback_bad_values_poison_every_length(lengths, n, kv_start):
     ln = ints(lengths)
     firsts = None if kv_start is None else ints(kv_start)
+    drop = ints(n)
     with no_sync():
-        ops.rollback_(ln, ints(n), kv_start=firsts)
+        ops.rollback_(ln, drop, kv_start=firsts)
     assert ln.tolist() == [-1, -1]
 
 
@@ -731,8 +739,9 @@ def test_select_rows(dtype, index, layout):
     lengths = ints([50, 0, 17, 33], torch.int32)
     ek, ev, new = reference_select(keys, values, lengths.cpu(), index)
     eb = expected_big(big, cut, ek, ev)
+    idx = ints(index)
     with no_sync():
-        ops.select_rows_(keys, values, lengths, ints(index))
+        ops.select_rows_(keys, values, lengths, idx)
     assert_same(big, eb)
     assert lengths.tolist() == new
 
@@ -744,8 +753,9 @@ def test_select_rows_0d_lengths_and_misaligned():
     index = [2, 2, 0]
     ek, _, _ = reference_select(bytes_of(keys), bytes_of(keys), lengths.cpu(), index)
     _, ev, _ = reference_select(values, values, lengths.cpu(), index)
+    idx = ints(index, torch.int32)
     with no_sync():
-        ops.select_rows_(keys, values, lengths, ints(index, torch.int32))
+        ops.select_rows_(keys, values, lengths, idx)
     torch.cuda.synchronize()
     assert torch.equal(bytes_of(keys), ek)
     assert_same(values, ev)
@@ -759,8 +769,9 @@ def test_select_rows_several_scratch_rounds():
     lengths = ints([16384, 9000, 100, 0, 8193, 8192, 1, 16000], torch.int64)
     index = [7, 0, 0, 4, 1, 5, 3, 6]
     ek, ev, new = reference_select(keys, values, lengths.cpu(), index)
+    idx = ints(index)
     with no_sync():
-        ops.select_rows_(keys, values, lengths, ints(index))
+        ops.select_rows_(keys, values, lengths, idx)
     assert torch.equal(keys, ek) and torch.equal(values, ev)
     assert lengths.tolist() == new
 
@@ -782,8 +793,9 @@ def test_select_rows_bad_values_write_nothing(lengths, index, index_dtype):
     big, keys, values, _ = with_canaries(3, 2, 50, 8, torch.float32)
     before = big.clone()
     ln = ints(lengths)
+    idx = ints(index, index_dtype)
     with no_sync():
-        ops.select_rows_(keys, values, ln, ints(index, index_dtype))
+        ops.select_rows_(keys, values, ln, idx)
     assert_same(big, before)
     assert ln.tolist() == [-1, -1, -1]
 
