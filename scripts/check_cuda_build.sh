@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
 # Proves on a machine without a GPU that the CUDA kernels compile and link,
 # through both builds: setup.py and CMakeLists.txt build libkvcache.so with
-# CUDA against torch 2.14.1 (a CUDA 13 build) and nvcc; each binary must hold
-# sm_80 and sm_90 code and load into that torch with its CUDA kernels
-# registered. Nothing here runs on a GPU.
+# CUDA against torch 2.14.1 (a CUDA 13 build) and nvcc. Each library must
+#  - hold sm_80 and sm_90 machine code and compute_90 PTX (newer GPUs JIT it),
+#  - contain every CUDA kernel (symbol check),
+#  - load into that torch (through the package's own _C module) and report
+#    build_info()["with_cuda"] == True, which is only true when the CUDA
+#    objects are linked in and every operator's CUDA work is registered,
+#  - report the same CUDA version and architectures from both builds (they
+#    come from nvcc itself: CUDART_VERSION and __CUDA_ARCH_LIST__).
+# It also prints ptxas's register / spill counts of every kernel. Nothing
+# here runs on a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${KVCACHE_CUDA_VENV:-.venv-cuda}
 OUT=build/cuda
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-"8.0;9.0"}
+# The project's default (setup.py / CMakeLists.txt): Ampere and Hopper
+# machine code, plus Hopper PTX for newer GPUs.
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-"8.0;9.0+PTX"}
 if ! command -v nvcc >/dev/null; then
   for d in /usr/local/cuda/bin /usr/local/cuda-*/bin; do
     [ -x "$d/nvcc" ] && export PATH="$d:$PATH" && break
@@ -22,6 +31,7 @@ if [ -z "${CUDA_HOME:-}" ]; then
   else CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")"); fi
 fi
 export CUDA_HOME PATH="$CUDA_HOME/bin:$PATH"
+nvcc_version=$(nvcc --version | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p')
 
 start=$(date +%s)
 if [ ! -x "$VENV/bin/python" ]; then
@@ -33,10 +43,21 @@ fi
 pip install -q --disable-pip-version-check torch==2.14.1 numpy "setuptools>=69" wheel \
   "pybind11>=2.12" ninja "cmake>=3.30" 2>&1 | grep -v "^WARNING: Location" || true
 echo "== CUDA torch ready in $(( $(date +%s) - start ))s: $(python -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)')"
+echo "== TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, nvcc $nvcc_version"
+
+mkdir -p "$OUT"
+# The copy planner and copy loop of the CUDA kernels, run on the host (no GPU)
+# with UBSan's alignment check.
+torch_inc=$(python -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "include"))')
+g++ -std=c++20 -O1 -g -fsanitize=alignment,undefined -fno-sanitize-recover=all -I csrc/cuda -I csrc \
+  -I "$torch_inc" csrc/cuda/copy_host_test.cpp -o "$OUT/copy_host_test" \
+  -L "$torch_inc/../lib" -lc10 -Wl,-rpath,"$torch_inc/../lib"
+"$OUT/copy_host_test"
 
 start=$(date +%s)
-mkdir -p "$OUT"
-if ! KVCACHE_CUDA=1 python setup.py -q build_ext --build-lib "$OUT/lib" --build-temp "$OUT/temp" \
+# -Xptxas=-v: register and spill counts in the log (nvcc reads this variable).
+if ! NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:-} -Xptxas=-v" KVCACHE_CUDA=1 \
+    python setup.py -q build_ext --build-lib "$OUT/lib" --build-temp "$OUT/temp" \
     >"$OUT/build.log" 2>&1; then
   grep -E "error|FAILED" "$OUT/build.log" | head -40 >&2
   echo "check_cuda_build: the CUDA build failed (full log: $OUT/build.log)" >&2
@@ -45,27 +66,102 @@ fi
 lib="$OUT/lib/kvcache/libkvcache.so"
 echo "== CUDA build took $(( $(date +%s) - start ))s: $lib"
 
-# cuobjdump is not part of this toolkit; the fatbinary names its targets.
+# Registers, spills and stack per kernel and target, from ptxas.
+python - "$OUT/build.log" <<'PY'
+import re, sys
+rows, entry, arch = [], None, None
+for line in open(sys.argv[1], errors="replace"):
+    m = re.search(r"Compiling entry function '(\S+)' for '(sm_\d+)'", line)
+    if m:
+        entry, arch = m.group(1), m.group(2)
+        continue
+    m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+    if m and entry:
+        stack, spill_st, spill_ld = map(int, m.groups())
+        rows.append([entry, arch, None, stack, spill_st, spill_ld])
+        continue
+    m = re.search(r"Used (\d+) registers", line)
+    if m and rows and rows[-1][2] is None:
+        rows[-1][2] = int(m.group(1))
+def short(name):
+    m = re.search(r"(update_copy_kernel|validate_starts_kernel|attend_combine_kernel|attend_kernel|"
+                  r"rollback_kernel|select_plan_kernel|select_move_kernel)(I(f|N3c108BFloat16E|N3c104HalfE)(Li(\d+)E)?)?",
+                  name)
+    if not m:
+        return name[:60]
+    if not m.group(2):
+        return m.group(1)
+    dtype = {"f": "f32", "N3c108BFloat16E": "bf16", "N3c104HalfE": "f16"}[m.group(3)]
+    return f"{m.group(1)}<{dtype}" + (f",R={m.group(5)}" if m.group(5) else "") + ">"
+print(f"== ptxas: {len(rows)} kernel builds (kernel, target, registers, stack, spill st/ld bytes)")
+for name, arch, regs, stack, st, ld in sorted(rows, key=lambda r: (short(r[0]), r[1])):
+    flag = "  <- spills" if st or ld else ""
+    print(f"   {short(name):34s} {arch}  {regs:4d} regs  stack {stack:3d}  spill {st}/{ld}{flag}")
+if not rows:
+    print("   (no ptxas report: nothing was recompiled; remove build/cuda for a full report)")
+PY
+
+# Machine code and PTX per target: cuobjdump (from triton's wheel; this
+# toolkit has none), else the fatbinary's strings (machine code only).
+cuobjdump=$(python -c 'import glob, os, triton; print((glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")) or [""])[0])' 2>/dev/null || true)
+
+stage_package() {  # $1: libkvcache.so to load, $2: folder to stage the package in
+  rm -rf "$2" && mkdir -p "$2"
+  cp -r python/kvcache "$2/kvcache"
+  rm -f "$2"/kvcache/*.so
+  cp "$1" "$2/kvcache/libkvcache.so"
+  cp "$OUT"/lib/kvcache/_C*.so "$2/kvcache/"  # links libkvcache.so from its own folder
+}
+
 check_lib() {
-  local lib=$1
-  # cuobjdump is not part of this toolkit; the fatbinary names its targets.
-  local archs
-  archs=$(strings "$lib" | grep -o -E '\bsm_[0-9]+a?\b' | sort -u | tr '\n' ' ')
-  echo "== $lib: device code for: $archs"
-  for want in sm_80 sm_90; do
-    case " $archs " in *" $want "*) ;; *) echo "missing $want device code in $lib" >&2; exit 1 ;; esac
+  local lib=$1 stage=$2
+  if [ -n "$cuobjdump" ]; then
+    local elf ptx
+    elf=$("$cuobjdump" --list-elf "$lib" | grep -o -E 'sm_[0-9]+a?' | sort -u | tr '\n' ' ')
+    ptx=$("$cuobjdump" --list-ptx "$lib" | grep -o -E 'sm_[0-9]+a?' | sort -u | sed 's/sm_/compute_/' | tr '\n' ' ')
+    echo "== $lib: machine code for: $elf; PTX for: $ptx"
+    for want in sm_80 sm_90; do
+      case " $elf " in *" $want "*) ;; *) echo "missing $want machine code in $lib" >&2; exit 1 ;; esac
+    done
+    case " $ptx " in *" compute_90 "*) ;; *) echo "missing compute_90 PTX in $lib (TORCH_CUDA_ARCH_LIST needs 9.0+PTX)" >&2; exit 1 ;; esac
+  else
+    local archs
+    archs=$(strings "$lib" | grep -o -E '\bsm_[0-9]+a?\b' | sort -u | tr '\n' ' ')
+    echo "== $lib: device code for: $archs (no cuobjdump: PTX not checked)"
+    for want in sm_80 sm_90; do
+      case " $archs " in *" $want "*) ;; *) echo "missing $want device code in $lib" >&2; exit 1 ;; esac
+    done
+  fi
+  local missing=""
+  local syms
+  syms=$(nm -C "$lib")
+  for k in validate_starts_kernel update_copy_kernel attend_kernel attend_combine_kernel \
+           rollback_kernel select_plan_kernel select_move_kernel; do
+    grep -q "$k" <<<"$syms" || missing="$missing $k"
   done
-  python - "$lib" <<'PY'
-import sys
+  [ -z "$missing" ] || { echo "missing CUDA kernels in $lib:$missing" >&2; exit 1; }
+  echo "   every CUDA kernel is in the library"
+  stage_package "$lib" "$stage"
+  PYTHONPATH="$stage" python - "$nvcc_version" <<'PY'
+import json, sys
 import torch
-torch.ops.load_library(sys.argv[1])
-for op in ("update_", "update_at_"):
-    for key in ("CPU", "CUDA"):
-        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"kvcache::{op}", key), (op, key)
-print("   loads into torch", torch.__version__, "with CPU and CUDA kernels registered")
+import kvcache
+info = kvcache.build_info()
+print("   loads into torch", torch.__version__, "; build_info:", json.dumps(info))
+assert info["with_cuda"] is True, "CUDA kernels are not linked in / registered"
+assert info["cuda_version"] == sys.argv[1], (info["cuda_version"], sys.argv[1])
+assert info["cuda_archs"] == "8.0;9.0", info["cuda_archs"]
+for op in ("update_", "update_.Tensor", "append_", "attend", "rollback", "select_rows_"):
+    name, _, overload = op.partition(".")
+    packet = getattr(torch.ops.kvcache, name)
+    assert (overload or "default") in packet.overloads(), op
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"kvcache::{op}", "CUDA"), op
+import os
+with open(os.path.join(os.path.dirname(os.path.dirname(kvcache.__file__)), "build_info.json"), "w") as f:
+    print(json.dumps(info), file=f)
 PY
 }
-check_lib "$lib"
+check_lib "$lib" "$OUT/stage-setup"
 
 start=$(date +%s)
 # torch's CMake config links nvrtc, which ships in the nvidia-* wheels, not in this toolkit.
@@ -73,10 +169,16 @@ nvrtc=$(python -c 'import glob, nvidia; print((glob.glob(list(nvidia.__path__)[0
 if ! { cmake -S . -B "$OUT/cmake" -G Ninja -DKVCACHE_CUDA=ON -DKVCACHE_BUILD_TESTS=OFF \
          -DCMAKE_CUDA_COMPILER="$CUDA_HOME/bin/nvcc" ${nvrtc:+-DCUDA_nvrtc_LIBRARY="$nvrtc"} \
          -DCMAKE_PREFIX_PATH="$(python -c 'import torch; print(torch.utils.cmake_prefix_path)')" \
-       && cmake --build "$OUT/cmake" -j "$(nproc)"; } >"$OUT/cmake.log" 2>&1; then
+       && cmake --build "$OUT/cmake" -j "${MAX_JOBS:-$(nproc)}"; } >"$OUT/cmake.log" 2>&1; then
   grep -E "error|Error|FAILED" "$OUT/cmake.log" | head -40 >&2
   echo "check_cuda_build: the CMake CUDA build failed (full log: $OUT/cmake.log)" >&2
   exit 1
 fi
 echo "== CMake CUDA build took $(( $(date +%s) - start ))s"
-check_lib "$OUT/cmake/libkvcache.so"
+check_lib "$OUT/cmake/libkvcache.so" "$OUT/stage-cmake"
+if ! cmp -s "$OUT/stage-setup/build_info.json" "$OUT/stage-cmake/build_info.json"; then
+  echo "check_cuda_build: setup.py and CMake builds report different build facts:" >&2
+  cat "$OUT/stage-setup/build_info.json" "$OUT/stage-cmake/build_info.json" >&2
+  exit 1
+fi
+echo "== setup.py and CMake builds report the same CUDA facts"

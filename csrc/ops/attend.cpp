@@ -166,6 +166,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys,
   if (kv_start.has_value()) p.kv_start = detail::int_rows(*kv_start);
   p.host_lengths = rows.lengths.empty() ? nullptr : rows.lengths.data();
   p.host_kv_start = rows.kv_start.empty() ? nullptr : rows.kv_start.data();
+  p.device_index = q.device().index();
   if (out.numel() > 0) {
     detail::attend_stub.get(q.device().type(), "attend")(p);
   }

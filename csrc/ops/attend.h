@@ -51,6 +51,8 @@ struct AttendParams {
   // CPU: the checked values, one entry or one per row.
   const int64_t* host_lengths = nullptr;
   const int64_t* host_kv_start = nullptr;  // nullptr: 0
+  // The tensors' device index (CUDA: the device the kernels run on).
+  int device_index = -1;
 };
 
 using AttendFn = void (*)(const AttendParams&);

@@ -150,6 +150,7 @@ at::Tensor rollback(const at::Tensor& lengths, const at::Tensor& n,
   p.out = detail::int_rows(out);
   p.rows = lengths.numel();
   p.host_new_lengths = next.empty() ? nullptr : next.data();
+  p.device_index = lengths.device().index();
   detail::rollback_stub.get(lengths.device().type(), "rollback")(p);
   return out;
 }
@@ -172,6 +173,7 @@ at::Tensor select_rows_(at::Tensor& keys, at::Tensor& values,
   p.out = detail::int_rows(out);
   p.host_lengths = vals.lengths.empty() ? nullptr : vals.lengths.data();
   p.host_index = vals.index.empty() ? nullptr : vals.index.data();
+  p.device_index = keys.device().index();
   detail::select_rows_stub.get(keys.device().type(), "select_rows_")(p);
   return out;
 }

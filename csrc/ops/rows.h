@@ -30,6 +30,8 @@ struct RollbackParams {
   IntRows out;       // lengths - n (lengths' dtype and shape), or -1 (CUDA)
   int64_t rows = 0;  // entries of lengths
   const int64_t* host_new_lengths = nullptr;  // CPU: checked results
+  // The tensors' device index (CUDA: the device the kernels run on).
+  int device_index = -1;
 };
 using RollbackFn = void (*)(const RollbackParams&);
 extern DeviceStub<RollbackFn> rollback_stub;
@@ -47,6 +49,8 @@ struct SelectRowsParams {
   // CPU: the checked values (one length per row).
   const int64_t* host_lengths = nullptr;
   const int64_t* host_index = nullptr;
+  // The tensors' device index (CUDA: the device the kernels run on).
+  int device_index = -1;
 };
 using SelectRowsFn = void (*)(const SelectRowsParams&);
 extern DeviceStub<SelectRowsFn> select_rows_stub;

@@ -260,6 +260,7 @@ detail::UpdateParams make_params(at::Tensor& keys, at::Tensor& values,
   p.head_dim = keys.size(3);
   p.chunk = keys_new.size(2);
   p.elem = static_cast<int64_t>(keys.element_size());
+  p.device_index = keys.device().index();
   return p;
 }
 

@@ -38,6 +38,8 @@ struct UpdateParams {
   // Receives start_b + chunk: the op's new length tensor (update_,
   // update_.Tensor) or the caller's lengths, in place (append_).
   IntRows lengths_out;
+  // The tensors' device index (CUDA: the device the kernels run on).
+  int device_index = -1;
 };
 
 using UpdateFn = void (*)(const UpdateParams&);

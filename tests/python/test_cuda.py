@@ -1,195 +1,862 @@
-"""CUDA: the CPU tests' checks on the GPU, CUDA graphs, opcheck, compile. Skipped without CUDA."""
+"""CUDA kernels of every operator against plain-PyTorch references. Skipped without a GPU.
+
+Each test names the bug it would catch. Every op call runs under
+``torch.cuda.set_sync_debug_mode("error")`` (``no_sync``), so a hidden host
+sync (a device value read on the host) fails the test. Bad device values
+(starts, lengths, n, index) must make a kernel write nothing but -1 into every
+entry of the lengths it produces: the tests check both, with canary bytes
+around the cache.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import math
+
 import pytest
 import torch
-from torch.library import opcheck
 
 import kvcache
 
-from conftest import ALL_DTYPES, assert_same, filled_cache, random_kv, random_tensor, reference_update
+from conftest import ALL_DTYPES, as_bytes, assert_same, random_tensor, reference_update
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and kvcache.build_info()["with_cuda"]),
     reason="needs a GPU and a CUDA build of kvcache",
 )
 DEV = torch.device("cuda")
-B, H, T, D = 2, 3, 64, 64
+ops = torch.ops.kvcache
 
 
-def cache_on_gpu(dtype=torch.float32, b=B, h=H, t=T, d=D):
-    return filled_cache(b, h, t, d, dtype, DEV, seed=10)
+# ----------------------------------------------------------------- helpers
 
 
-def new_kv(chunk, dtype=torch.float32, b=B, h=H, d=D, seed=0):
-    return random_kv(b, h, chunk, d, dtype, DEV, seed=seed)
+@contextlib.contextmanager
+def no_sync():
+    """Any synchronizing CUDA call inside raises (a hidden host read of a device value)."""
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
 
 
-def test_init_on_cuda():
-    c = kvcache.init_kv_layer_cache(2, 3, 8, 16, torch.bfloat16, device="cuda")
-    assert c.keys.is_cuda and c.values.is_cuda and c.length.is_cuda
-    assert torch.count_nonzero(c.keys) == 0 and c.length.dtype == torch.int32
+def rand(shape, dtype, seed=0):
+    return random_tensor(shape, dtype, DEV, seed=seed)
+
+
+def ints(values, dtype=torch.int64):
+    return torch.tensor(values, dtype=dtype, device=DEV)
+
+
+class _Blob:
+    """A CUDA array at any address (what from_blob and DLPack byte offsets allow)."""
+
+    def __init__(self, owner, ptr, shape, strides, typestr):
+        self._owner = owner  # keeps the memory alive
+        self.__cuda_array_interface__ = {
+            "shape": tuple(shape),
+            "strides": tuple(strides),
+            "typestr": typestr,
+            "data": (ptr, False),
+            "version": 2,
+        }
+
+
+_TYPESTR = {1: "|u1", 2: "<u2", 4: "<u4", 8: "<u8", 16: "<c16"}
+
+
+def at_offset(shape, dtype, byte_offset, seed=0):
+    """A contiguous tensor of `dtype` whose first byte is `byte_offset` bytes past a 256-byte
+    boundary, filled with random bytes.
+
+    Torch's own kernels may fault on an address that is not a multiple of the element
+    size (or, for complex128, of 16), so the test reads and writes it through
+    ``bytes_of(t)``, a uint8 view of the same memory.
+    """
+    item = torch.empty((), dtype=dtype).element_size()
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.insert(0, acc)
+        acc *= n
+    numel = math.prod(shape)
+    owner = torch.randint(0, 256, (numel * item + byte_offset + 256,), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(seed)).to(DEV)
+    ptr = owner.data_ptr() + byte_offset
+    t = torch.as_tensor(_Blob(owner, ptr, shape, [st * item for st in strides], _TYPESTR[item]), device=DEV)
+    if dtype != torch.complex128:
+        t = t.view(dtype)
+    raw_shape = (*shape[:-1], shape[-1] * item)
+    raw_strides = [st * item for st in strides[:-1]] + [1]
+    t._raw = torch.as_tensor(_Blob(owner, ptr, raw_shape, raw_strides, "|u1"), device=DEV)
+    assert t.data_ptr() % 256 == byte_offset % 256 and t._raw.data_ptr() == t.data_ptr()
+    return t
+
+
+def bytes_of(t):
+    """The bytes of a (..., head_dim) tensor as (..., head_dim * itemsize) uint8, safe at any address."""
+    return t._raw if hasattr(t, "_raw") else as_bytes(t).reshape(*t.shape[:-1], -1)
+
+
+def with_canaries(b, h, t, d, dtype, seed=100, layout="bhtd"):
+    """A cache sliced from the middle of a larger random buffer: (big, keys, values, cut).
+
+    Any byte written outside the cache (before, after or between its rows)
+    shows as a change in `big`. ``cut(x)`` takes the same (keys, values)
+    slices of any tensor shaped like `big` (to build the expected buffer).
+    """
+    if layout == "bhtd":
+        big = rand((2, b + 2, h + 1, t + 6, d + 3), dtype, seed)
+
+        def cut(x):
+            return x[0, 1 : b + 1, :h, 3 : t + 3, 1 : d + 1], x[1, 1 : b + 1, 1:, 3 : t + 3, 2 : d + 2]
+
+    else:  # (batch, max_len, heads, head_dim) memory
+
+        big = rand((2, b + 2, t + 6, h + 1, d + 3), dtype, seed)
+
+        def cut(x):
+            return (
+                x[0, 1 : b + 1, 3 : t + 3, :h, 1 : d + 1].transpose(1, 2),
+                x[1, 1 : b + 1, 3 : t + 3, 1:, 2 : d + 2].transpose(1, 2),
+            )
+
+    keys, values = cut(big)
+    return big, keys, values, cut
+
+
+def expected_big(big, cut, new_keys, new_values):
+    """`big` with the cache region replaced: what the whole buffer must hold afterwards."""
+    out = big.clone()
+    k, v = cut(out)
+    k.copy_(new_keys)
+    v.copy_(new_values)
+    return out
+
+
+def reference_attend(q, keys, values, lengths, kv_start=None, scale=None, window=0, softcap=0.0):
+    """Masked softmax attention in float64, reading only slots [kv_start, length) of each row."""
+    b, h, s, d = q.shape
+    group = h // keys.shape[1]
+    scale = d**-0.5 if scale is None else scale
+    lengths = lengths.expand(b).tolist() if lengths.dim() == 0 else lengths.tolist()
+    firsts = [0] * b if kv_start is None else (kv_start.expand(b).tolist() if kv_start.dim() == 0 else kv_start.tolist())
+    out = torch.zeros(b, h, s, d, dtype=torch.float64, device=q.device)
+    for r in range(b):
+        length, first = lengths[r], firsts[r]
+        k = keys[r, :, first:length].double().repeat_interleave(group, 0)  # (h, n, d)
+        v = values[r, :, first:length].double().repeat_interleave(group, 0)
+        scores = q[r].double() @ k.transpose(1, 2) * scale  # (h, s, n)
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        pos = torch.arange(s, device=q.device)[:, None] + (length - s)  # each query's slot
+        slot = torch.arange(first, length, device=q.device)[None, :]
+        visible = slot <= pos
+        if window > 0:
+            visible &= slot > pos - window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query that sees nothing: 0
+        out[r] = probs @ v
+    return out
+
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def assert_close_to_ref(out, ref, dtype):
+    """Within the dtype's tolerance, relative to the output's scale (a masking, GQA or
+    softmax bug moves outputs by O(that scale))."""
+    assert out.dtype == dtype and out.shape == ref.shape
+    err = (out.double() - ref).abs()
+    tol = TOL[dtype] * (1 + (ref.abs().max() if ref.numel() else 0))
+    assert bool((err <= tol).all()), f"max error {err.max().item():.3g} > {float(tol):.3g}"
+
+
+def test_build_info_reports_cuda():
+    info = kvcache.build_info()
+    assert info["with_cuda"] is True
+    assert info["cuda_version"].split(".")[0] == torch.version.cuda.split(".")[0]
+    archs = [a for a in info["cuda_archs"].split(";") if a]
+    major, minor = torch.cuda.get_device_capability()
+    # Machine code for this GPU, or PTX of an older target that the driver compiles.
+    assert f"{major}.{minor}" in archs or any(float(a) <= major + minor / 10 for a in archs), archs
+
+
+# ----------------------------------------------------------------- update_, update_.Tensor, append_
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
-@pytest.mark.parametrize("start,chunk", [(0, 1), (5, 3), (0, T), (T - 1, 1), (7, 0), (3, 37)])
+@pytest.mark.parametrize("start,chunk", [(0, 1), (5, 3), (0, 64), (63, 1), (7, 0), (3, 37)])
 def test_update_int_start_all_dtypes(dtype, start, chunk):
-    c = cache_on_gpu(dtype)
-    kn, vn = new_kv(chunk, dtype)
-    ek, ev = reference_update(c.keys, c.values, kn, vn, start)
-    out = kvcache.update_kv_layer_cache(c, kn, vn, start)
-    assert_same(c.keys, ek)
-    assert_same(c.values, ev)
-    assert int(out.length) == start + chunk
+    """Host start: data, canaries, and the 0-D int32 length written by the copy kernel itself."""
+    big, keys, values, cut = with_canaries(2, 3, 64, 24, dtype)
+    kn, vn = rand((2, 3, chunk, 24), dtype, 1), rand((2, 3, chunk, 24), dtype, 2)
+    eb = expected_big(big, cut, *reference_update(keys, values, kn, vn, start))
+    with no_sync():
+        length = ops.update_(keys, values, kn, vn, start)
+    assert_same(big, eb)
+    assert length.dtype == torch.int32 and length.shape == () and length.device == keys.device
+    assert int(length) == start + chunk
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 7, 1])  # 16-byte, 8/4/2-byte and element units
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
-def test_update_unit_sizes(head_dim, dtype):
-    c = cache_on_gpu(dtype, d=head_dim)
-    kn, vn = new_kv(5, dtype, d=head_dim)
-    ek, ev = reference_update(c.keys, c.values, kn, vn, 9)
-    kvcache.update_kv_layer_cache(c, kn, vn, 9)
-    assert_same(c.keys, ek)
-    assert_same(c.values, ev)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2, torch.bool, torch.complex128])
+@pytest.mark.parametrize("start_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_update_tensor_start(dtype, start_dtype, per_row):
+    """Device start, 0-D and per-row: data, canaries, lengths (validation pass + copy kernel)."""
+    b = 4
+    big, keys, values, cut = with_canaries(b, 2, 32, 16, dtype)
+    kn, vn = rand((b, 2, 5, 16), dtype, 1), rand((b, 2, 5, 16), dtype, 2)
+    starts = [0, 27, 13, 4] if per_row else [9] * b
+    start = ints(starts if per_row else starts[0], start_dtype)
+    eb = expected_big(big, cut, *reference_update(keys, values, kn, vn, starts))
+    with no_sync():
+        length = ops.update_.Tensor(keys, values, kn, vn, start)
+    assert_same(big, eb)
+    assert length.dtype == torch.int32 and length.shape == start.shape
+    assert length.cpu().reshape(-1).tolist() == [s + 5 for s in (starts if per_row else starts[:1])]
 
 
-def test_update_misaligned_and_strided():
-    # keys_new starting one element into its storage: not 16-byte aligned
-    flat = random_tensor((B * H * 4 * D + 1,), torch.float16, DEV, seed=3)
-    kn = flat[1:].view(B, H, 4, D)
-    vn = random_tensor((B, 4, H, D), torch.float16, DEV, seed=4).transpose(1, 2)
-    keys = random_tensor((B, T, H, D), torch.float16, DEV, seed=5).transpose(1, 2)
-    values = random_tensor((B, H, T, 2 * D), torch.float16, DEV, seed=6)[..., ::2]
-    ek, ev = reference_update(keys, values, kn, vn, 20)
-    kvcache.update_kv_layer_cache(kvcache.KVLayerCache(keys, values, torch.zeros((), dtype=torch.int32, device=DEV)), kn, vn, 20)
+@pytest.mark.parametrize("len_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_append(len_dtype, per_row):
+    """append_: writes at lengths, advances them in place (the start tensor is also the output)."""
+    b = 3
+    big, keys, values, cut = with_canaries(b, 4, 40, 32, torch.bfloat16, layout="bthd")
+    starts = [3, 0, 31] if per_row else [7] * b
+    lengths = ints(starts if per_row else starts[0], len_dtype)
+    ptr = lengths.data_ptr()
+    kn, vn = rand((b, 4, 6, 32), torch.bfloat16, 1), rand((b, 4, 6, 32), torch.bfloat16, 2)
+    eb = expected_big(big, cut, *reference_update(keys, values, kn, vn, starts))
+    with no_sync():
+        ops.append_(keys, values, lengths, kn, vn)
+    assert_same(big, eb)
+    assert lengths.data_ptr() == ptr and lengths.dtype == len_dtype
+    assert lengths.cpu().reshape(-1).tolist() == [s + 6 for s in (starts if per_row else starts[:1])]
+
+
+# Copy units: 16 (fp32 hd 128), 8 (bf16 hd 4 / 12, fp32 hd 2 / 6), 4, 2, 1 bytes,
+# and the element path (strided rows) for 1-, 2-, 4-, 8- and 16-byte elements.
+UNIT_CASES = [
+    (torch.float32, 128),
+    (torch.bfloat16, 4),
+    (torch.bfloat16, 12),
+    (torch.float32, 2),
+    (torch.float32, 6),
+    (torch.float16, 2),
+    (torch.float16, 7),
+    (torch.int8, 3),
+    (torch.bool, 16),
+    (torch.float8_e4m3fn, 5),
+    (torch.complex128, 3),
+    (torch.float64, 1),
+]
+
+
+def make_operand(kind, shape, dtype, seed):
+    """One tensor of the update in a given memory form."""
+    b, h, t, d = shape
+    item = torch.empty((), dtype=dtype).element_size()
+    if kind == "dense":
+        return rand(shape, dtype, seed)
+    if kind == "misaligned":  # first byte off the element's own alignment (from_blob allows it)
+        return at_offset(shape, dtype, item // 2, seed)
+    if kind == "offset8":  # 8 bytes past a 16-byte boundary: 16-byte units impossible
+        return at_offset(shape, dtype, 8, seed)
+    if kind == "strided_rows":  # every other element: the element path
+        return rand((b, h, t, 2 * d), dtype, seed)[..., ::2]
+    if kind == "transposed":  # (batch, positions, heads, head_dim) memory
+        return rand((b, t, h, d), dtype, seed).transpose(1, 2)
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("dtype,head_dim", UNIT_CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("odd", ["keys", "values", "keys_new", "values_new"])
+@pytest.mark.parametrize("kind", ["misaligned", "offset8", "strided_rows", "transposed"])
+def test_copy_units_one_tensor_at_a_time(dtype, head_dim, odd, kind):
+    """One tensor misaligned or strided, the other three dense: every pair's unit is planned on
+    its own, never wider than its addresses allow (a misaligned 16- or 8-byte access faults),
+    and the element path moves elements of any size at any alignment."""
+    item = torch.empty((), dtype=dtype).element_size()
+    if kind == "misaligned" and item == 1:
+        pytest.skip("a 1-byte element is never misaligned")
+    b, h, t, chunk = 3, 2, 20, 5
+    shapes = {"keys": (b, h, t, head_dim), "values": (b, h, t, head_dim),
+              "keys_new": (b, h, chunk, head_dim), "values_new": (b, h, chunk, head_dim)}
+    tensors = {
+        name: make_operand(kind if name == odd else "dense", shape, dtype, seed)
+        for seed, (name, shape) in enumerate(shapes.items())
+    }
+    keys, values, kn, vn = tensors["keys"], tensors["values"], tensors["keys_new"], tensors["values_new"]
+    starts = [4, 15, 0]
+    # The reference works on bytes (torch's own kernels may fault on a misaligned tensor).
+    ek, ev = reference_update(bytes_of(keys), bytes_of(values), bytes_of(kn), bytes_of(vn), starts)
+    start = ints(starts)
+    with no_sync():
+        ops.update_.Tensor(keys, values, kn, vn, start)
+    torch.cuda.synchronize()  # a misaligned access surfaces here
+    assert torch.equal(bytes_of(keys), ek)
+    assert torch.equal(bytes_of(values), ev)
+
+
+@pytest.mark.parametrize("op", ["update_.Tensor", "append_"])
+@pytest.mark.parametrize("start_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("layout", ["bhtd", "bthd"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        2**63 - 1,  # start + chunk overflows int64: one row before each slab
+        2**63 - 3,
+        -1,  # with chunk 1 the old length became 0, which looked valid
+        -(2**63),
+        2**32 + 5,  # truncates to a small valid-looking int32
+        2**31,
+        29,  # start + chunk = max_len + 1
+    ],
+)
+def test_bad_starts_write_nothing(op, start_dtype, layout, bad):
+    """Canaries around a cache sliced from a larger buffer: no byte changes anywhere, and every
+    entry of the produced lengths is -1, so `(length >= 0).all()` is False."""
+    if start_dtype == torch.int32 and not -(2**31) <= bad < 2**31:
+        pytest.skip("not an int32 value")
+    b, h, t, d, chunk = 4, 2, 32, 8, 4
+    big, keys, values, _ = with_canaries(b, h, t, d, torch.float32, layout=layout)
+    before = big.clone()
+    kn, vn = rand((b, h, chunk, d), torch.float32, 1), rand((b, h, chunk, d), torch.float32, 2)
+    for row in (0, b - 1, None):  # bad row first, last, or the 0-D start of every row
+        starts = ints(bad, start_dtype) if row is None else ints([bad if r == row else 3 for r in range(b)], start_dtype)
+        with no_sync():
+            if op == "append_":
+                ops.append_(keys, values, starts, kn, vn)
+                produced = starts
+            else:
+                produced = ops.update_.Tensor(keys, values, kn, vn, starts)
+        assert_same(big, before)
+        assert not bool((produced >= 0).all())
+        assert bool((produced == -1).all()), produced
+
+
+@pytest.mark.parametrize("start_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("where", ["first", "middle", "last", "none"])
+def test_all_or_nothing_many_blocks(start_dtype, where):
+    """1024 slabs and several grid rows (chunk 64 > 8 rows per block): one bad row anywhere
+    stops every block; with no bad row every row is written."""
+    b, h, t, d, chunk = 64, 8, 160, 128, 64
+    keys, values = rand((b, h, t, d), torch.float32, 1), rand((b, h, t, d), torch.float32, 2)
+    kn, vn = rand((b, h, chunk, d), torch.float32, 3), rand((b, h, chunk, d), torch.float32, 4)
+    starts = [(7 * r) % (t - chunk + 1) for r in range(b)]
+    if where != "none":
+        starts[{"first": 0, "middle": b // 2, "last": b - 1}[where]] = t - chunk + 1
+    ek, ev = reference_update(keys, values, kn, vn, starts) if where == "none" else (keys.clone(), values.clone())
+    start = ints(starts, start_dtype)
+    with no_sync():
+        length = ops.update_.Tensor(keys, values, kn, vn, start)
     assert_same(keys, ek)
     assert_same(values, ev)
-
-
-@pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64])
-def test_ragged_positions(pos_dtype):
-    c = cache_on_gpu(b=4)
-    kn, vn = new_kv(3, b=4)
-    starts = [0, 5, 61, 30]
-    ek, ev = reference_update(c.keys, c.values, kn, vn, starts)
-    out = kvcache.update_kv_layer_cache(c, kn, vn, torch.tensor(starts, dtype=pos_dtype, device=DEV))
-    assert_same(c.keys, ek)
-    assert_same(c.values, ev)
-    assert out.length.tolist() == [s + 3 for s in starts]
-
-
-def test_host_start_errors_write_nothing():
-    c = cache_on_gpu()
-    k0, v0 = c.keys.clone(), c.values.clone()
-    kn, vn = new_kv(3)
-    with pytest.raises(ValueError, match=f"KV cache overflow: end={T + 1} exceeds max_len={T}"):
-        kvcache.update_kv_layer_cache(c, kn, vn, T - 2)
-    with pytest.raises(TypeError, match="keys_new must have the cache dtype"):
-        kvcache.update_kv_layer_cache(c, kn.half(), vn, 0)
-    with pytest.raises(ValueError, match=r"keys_new must be on the cache's device \(cuda:0\), got cpu"):
-        kvcache.update_kv_layer_cache(c, kn.cpu(), vn, 0)
-    with pytest.raises(ValueError, match=r"positions must be on the cache's device"):
-        kvcache.update_kv_layer_cache(c, kn, vn, torch.tensor(0))
-    assert torch.equal(c.keys, k0) and torch.equal(c.values, v0)
-
-
-def test_out_of_range_device_positions_write_nothing():
-    """Documented CUDA behaviour: no host sync, no error, no write at all; length shows it."""
-    c = cache_on_gpu()
-    k0, v0 = c.keys.clone(), c.values.clone()
-    kn, vn = new_kv(3)
-    for bad in ([0, T - 2], [-1, 0], [T, T]):
-        out = kvcache.update_kv_layer_cache(c, kn, vn, torch.tensor(bad, device=DEV))
-        torch.cuda.synchronize()
-        assert torch.equal(c.keys, k0) and torch.equal(c.values, v0), bad
-        assert not bool((out.length <= c.max_len).all() & (out.length >= 3).all())
-
-
-def test_cuda_graph_replay_with_advancing_position():
-    c = kvcache.init_kv_layer_cache(B, H, D, T, torch.float32, device=DEV)
-    kn = torch.empty(B, H, 1, D, device=DEV)
-    vn = torch.empty(B, H, 1, D, device=DEV)
-    pos = torch.zeros((), dtype=torch.int64, device=DEV)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        torch.ops.kvcache.update_at_(c.keys, c.values, kn, vn, pos)  # warm-up outside capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        torch.ops.kvcache.update_at_(c.keys, c.values, kn, vn, pos)
-    c.keys.zero_()
-    c.values.zero_()
-    ref_k = torch.zeros_like(c.keys)
-    ref_v = torch.zeros_like(c.values)
-    for step in range(T):
-        kn.copy_(torch.randn(B, H, 1, D, device=DEV))
-        vn.copy_(torch.randn(B, H, 1, D, device=DEV))
-        pos.fill_(step)
-        graph.replay()
-        ref_k[:, :, step : step + 1] = kn
-        ref_v[:, :, step : step + 1] = vn
-    assert torch.equal(c.keys, ref_k) and torch.equal(c.values, ref_v)
-    # past the end inside the graph: nothing is written, nothing out of bounds
-    before = c.keys.clone()
-    pos.fill_(T)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(c.keys, before)
+    expected = [s + chunk for s in starts] if where == "none" else [-1] * b
+    assert length.tolist() == expected
 
 
 def test_large_cache_64bit_offsets():
-    """A cache over 2**31 elements: the last positions are written correctly."""
-    b, h, t, d = 1, 16, 2**21 + 8, 64  # 2**31 + 8192 int8 elements (2 GiB per buffer)
+    """A cache over 2**31 elements per buffer: writes near the end land exactly there, for a host
+    and a device start, and the untouched region of both buffers stays zero."""
+    b, h, t, d = 1, 16, 2**21 + 8, 64  # 2**31 + 8192 int8 elements per buffer (2 GiB each)
     keys = torch.zeros(b, h, t, d, dtype=torch.int8, device=DEV)
     values = torch.zeros_like(keys)
-    kn = torch.randint(-100, 100, (b, h, 2, d), dtype=torch.int8, device=DEV)
-    vn = torch.randint(-100, 100, (b, h, 2, d), dtype=torch.int8, device=DEV)
-    torch.ops.kvcache.update_(keys, values, kn, vn, t - 2)
+    kn = torch.randint(1, 100, (b, h, 2, d), dtype=torch.int8, device=DEV)
+    vn = torch.randint(1, 100, (b, h, 2, d), dtype=torch.int8, device=DEV)
+    start = ints(t - 4)
+    with no_sync():
+        ops.update_(keys, values, kn, vn, t - 2)
+        ops.update_.Tensor(keys, values, kn.flip(-1), vn.flip(-1), start)
     assert torch.equal(keys[:, :, t - 2 :], kn) and torch.equal(values[:, :, t - 2 :], vn)
-    assert torch.count_nonzero(keys[:, :, : t - 2]) == 0
+    assert torch.equal(keys[:, :, t - 4 : t - 2], kn.flip(-1)) and torch.equal(values[:, :, t - 4 : t - 2], vn.flip(-1))
+    assert int(torch.count_nonzero(keys[:, :, : t - 4])) == 0
+    assert int(torch.count_nonzero(values[:, :, : t - 4])) == 0
     del keys, values
+    torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("op", ["update_", "update_at_"])
-def test_opcheck_cuda(op):
-    keys = torch.zeros(2, 3, 16, 8, device=DEV, dtype=torch.bfloat16)
+def test_large_cache_attend():
+    """attend on a bf16 cache over 2**31 elements: the last slots of the last row lie past
+    element 2**31; only slots [kv_start, length) are read (the rest is NaN)."""
+    b, h, t, d = 2, 4, 2**21 + 64, 128  # 2**31 + 65536 elements per buffer (4 GiB each)
+    keys = torch.full((b, h, t, d), float("nan"), dtype=torch.bfloat16, device=DEV)
+    values = torch.full_like(keys, float("nan"))
+    tail_k, tail_v = rand((b, h, 8, d), torch.bfloat16, 1), rand((b, h, 8, d), torch.bfloat16, 2)
+    keys[:, :, t - 8 :] = tail_k
+    values[:, :, t - 8 :] = tail_v
+    q = rand((b, 8, 3, d), torch.bfloat16, 3)
+    lengths = ints([t, t - 2], torch.int32)
+    kv_start = ints([t - 8, t - 8], torch.int32)
+    with no_sync():
+        out = ops.attend(q, keys, values, lengths, kv_start=kv_start)
+    ref = reference_attend(q, keys, values, lengths.cpu(), kv_start.cpu())
+    assert_close_to_ref(out, ref, torch.bfloat16)
+    del keys, values
+    torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------- CUDA graphs and torch.compile
+
+
+def test_cuda_graph_update_tensor_and_attend_replayed():
+    """One captured graph (update_.Tensor + attend) replayed with positions changing on the
+    device: each replay writes at the new positions and attends over the new lengths."""
+    b, h, kvh, t, d = 2, 4, 2, 512, 64  # few blocks, long rows: split-K and the combine kernel
+    keys = torch.zeros(b, kvh, t, d, device=DEV)
     values = torch.zeros_like(keys)
-    kn = torch.randn(2, 3, 4, 8, device=DEV).bfloat16()
-    vn = torch.randn(2, 3, 4, 8, device=DEV).bfloat16()
-    start = 5 if op == "update_" else torch.tensor([1, 9], device=DEV)
-    result = opcheck(getattr(torch.ops.kvcache, op).default, (keys, values, kn, vn, start))
-    assert all(v == "SUCCESS" for v in result.values()), result
-    result = opcheck(torch.ops.kvcache.init_layer_cache.default, (1, 2, 4, 8), {"dtype": torch.float16, "device": DEV})
-    assert all(v == "SUCCESS" for v in result.values()), result
+    kn, vn = torch.empty(b, kvh, 1, d, device=DEV), torch.empty(b, kvh, 1, d, device=DEV)
+    q = torch.empty(b, h, 1, d, device=DEV)
+    pos = torch.zeros(b, dtype=torch.int64, device=DEV)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):  # warm-up outside capture
+            length = ops.update_.Tensor(keys, values, kn, vn, pos)
+            out = ops.attend(q, keys, values, length)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        length = ops.update_.Tensor(keys, values, kn, vn, pos)
+        out = ops.attend(q, keys, values, length)
+    keys.zero_()
+    values.zero_()
+    ref_k, ref_v = keys.clone(), values.clone()
+    offsets = ints([0, 5])
+    for step in list(range(20)) + [63, 64, 200, t - 6]:
+        kn.copy_(rand((b, kvh, 1, d), torch.float32, 10 + step))
+        vn.copy_(rand((b, kvh, 1, d), torch.float32, 1000 + step))
+        q.copy_(rand((b, h, 1, d), torch.float32, 2000 + step))
+        pos.copy_(offsets + step)
+        graph.replay()
+        for r, p in enumerate((step, step + 5)):
+            ref_k[r, :, p] = kn[r, :, 0]
+            ref_v[r, :, p] = vn[r, :, 0]
+        assert torch.equal(keys, ref_k) and torch.equal(values, ref_v), step
+        assert length.tolist() == [step + 1, step + 6]
+        lens = torch.tensor([step + 1, step + 6])
+        assert_close_to_ref(out, reference_attend(q, ref_k, ref_v, lens), torch.float32)
+    # Past the end inside the graph: nothing written, lengths -1, attend rows NaN.
+    before_k, before_v = keys.clone(), values.clone()
+    pos.copy_(ints([t, 0]))
+    graph.replay()
+    assert torch.equal(keys, before_k) and torch.equal(values, before_v)
+    assert length.tolist() == [-1, -1]
+    assert bool(out.isnan().all())
+
+
+def test_cuda_graph_append_and_attend_replayed():
+    """append_ advances the lengths in place inside a replayed graph (decode loop)."""
+    b, h, kvh, t, d = 3, 8, 2, 40, 128
+    keys = torch.zeros(b, kvh, t, d, dtype=torch.bfloat16, device=DEV)
+    values = torch.zeros_like(keys)
+    lengths = ints([0, 3, 10], torch.int32)
+    kn = torch.empty(b, kvh, 1, d, dtype=torch.bfloat16, device=DEV)
+    vn = torch.empty_like(kn)
+    q = torch.empty(b, h, 1, d, dtype=torch.bfloat16, device=DEV)
+
+    def step():
+        ops.append_(keys, values, lengths, kn, vn)
+        return ops.attend(q, keys, values, lengths)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    saved = lengths.clone()
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    lengths.copy_(saved)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    lengths.copy_(saved)
+    keys.zero_()
+    values.zero_()
+    ref_k, ref_v = keys.clone(), values.clone()
+    for i in range(25):
+        kn.copy_(rand(kn.shape, torch.bfloat16, i))
+        vn.copy_(rand(kn.shape, torch.bfloat16, 100 + i))
+        q.copy_(rand(q.shape, torch.bfloat16, 200 + i))
+        graph.replay()
+        for r, start in enumerate(saved.tolist()):
+            ref_k[r, :, start + i] = kn[r, :, 0]
+            ref_v[r, :, start + i] = vn[r, :, 0]
+        assert lengths.tolist() == [x + i + 1 for x in saved.tolist()]
+        assert torch.equal(keys, ref_k) and torch.equal(values, ref_v)
+        assert_close_to_ref(out, reference_attend(q, ref_k, ref_v, lengths.cpu()), torch.bfloat16)
 
 
 @torch.no_grad()
-def test_compile_reduce_overhead_decode_step():
+def test_compile_reduce_overhead_decode_step_replays_graphs():
+    """torch.compile(mode="reduce-overhead") of a decode step whose cache buffers are marked
+    static: Inductor must not skip CUDA graphs (mutated inputs would make it), and the tokens
+    equal eager greedy decoding."""
+    from torch._dynamo.utils import counters
+
     from kvcache.models import Decoder, greedy_generate
 
     cfg = kvcache.TransformerConfig(num_layers=2, num_heads=8, d_model=64, max_len=64, num_kv_heads=2)
     model = Decoder(cfg, seed=0).to(DEV).eval()
     prompt = torch.randint(0, cfg.vocab_size, (2, 6), device=DEV)
+    new = 12
     ref_tokens, _ = greedy_generate(
-        model, prompt, 20, list(kvcache.init_decoder_kv_caches_from_config(cfg, batch_size=2, device=DEV))
+        model, prompt, new, list(kvcache.init_decoder_kv_caches_from_config(cfg, batch_size=2, device=DEV))
     )
+    caches = []
+    for c in kvcache.init_decoder_kv_caches_from_config(cfg, batch_size=2, device=DEV):
+        lengths = torch.zeros(2, dtype=torch.int32, device=DEV)
+        caches.append(kvcache.KVLayerCache(c.keys, c.values, lengths))
+        for buf in (c.keys, c.values, lengths):
+            torch._dynamo.mark_static_address(buf)
+
+    def step(tokens):
+        logits, _ = model(tokens, None, caches)  # append_: lengths advance in place
+        return logits[:, -1].argmax(-1)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    tok = step(prompt)  # eager prefill
+    tokens = [tok.clone()]
+    for _ in range(new - 1):
+        tok = compiled(tok[:, None]).clone()  # graph outputs are overwritten by the next replay
+        tokens.append(tok)
+    assert torch.equal(torch.stack(tokens, 1), ref_tokens)
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     torch._dynamo.reset()
 
-    def step(tokens, start, caches):
-        return model(tokens, start, caches)
 
-    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
-    caches = list(kvcache.init_decoder_kv_caches_from_config(cfg, batch_size=2, device=DEV))
-    logits, caches = model(prompt, torch.zeros((), dtype=torch.int32, device=DEV), caches)
-    tok = logits[:, -1].argmax(-1)
-    tokens = [tok]
-    pos = torch.tensor(6, dtype=torch.int32, device=DEV)
-    for i in range(19):
-        logits, caches = compiled(tok[:, None], pos, caches)
-        tok = logits[:, 0].argmax(-1).clone()  # outputs of a CUDA graph are overwritten by the next replay
-        tokens.append(tok)
-        pos = pos + 1
-    assert torch.equal(torch.stack(tokens, 1), ref_tokens)
+# ----------------------------------------------------------------- attend
+
+
+def attend_case(dtype, batch, heads, kv_heads, head_dim, seq, lengths, max_len, seed=0, poison=True):
+    """Random q and cache (unit scale: realistic logits); slots outside [0, length) hold NaN
+    and Inf (must never be read)."""
+    q = rand((batch, heads, seq, head_dim), dtype, seed) / 4
+    keys = rand((batch, kv_heads, max_len, head_dim), dtype, seed + 1) / 4
+    values = rand((batch, kv_heads, max_len, head_dim), dtype, seed + 2) / 4
+    if poison:
+        for r, length in enumerate(lengths):
+            keys[r, :, length:] = float("nan")
+            values[r, :, length:] = float("inf")
+    return q, keys, values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("ratio", [1, 2, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("seq", [1, 7])
+def test_attend_decode_and_short_chunks(dtype, ratio, head_dim, seq):
+    """Against float64: GQA ratios, head dims, ragged lengths (== seq, full), NaN/Inf beyond."""
+    kv_heads, max_len = 2, 300
+    lengths = [seq, 300, 123]
+    q, keys, values = attend_case(dtype, 3, kv_heads * ratio, kv_heads, head_dim, seq, lengths, max_len)
+    lens = ints(lengths, torch.int32)
+    with no_sync():
+        out = ops.attend(q, keys, values, lens)
+    assert not out.isnan().any()
+    assert_close_to_ref(out, reference_attend(q, keys, values, lens.cpu()), dtype)
+    # Output memory is (batch, seq, heads, head_dim).
+    assert out.transpose(1, 2).is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seq", [64, 512])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_attend_prefill_and_chunked_prefill(dtype, seq, head_dim):
+    """seq > 1: prefill from an empty cache (length == seq) and a chunk after earlier content."""
+    lengths = [seq, seq + 200]
+    q, keys, values = attend_case(dtype, 2, 8, 2, head_dim, seq, lengths, seq + 256)
+    lens = ints(lengths)
+    with no_sync():
+        out = ops.attend(q, keys, values, lens)
+    assert_close_to_ref(out, reference_attend(q, keys, values, lens.cpu()), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("seq", [1, 5, 64])
+def test_attend_kv_start_window_softcap_scale(dtype, seq):
+    """Left padding (NaN before kv_start), sliding window, softcap and scale, with split-K
+    (one long row per KV head) and without."""
+    lengths = [4000, 70, 900]
+    # The last row: its first query (at slot 900 - seq) sees no slot when seq > 1.
+    kv_start = [100, 3, 900 - seq + (1 if seq > 1 else 0)]
+    q, keys, values = attend_case(dtype, 3, 4, 1, 64, seq, lengths, 4096)
+    for r, first in enumerate(kv_start):
+        keys[r, :, :first] = float("nan")
+        values[r, :, :first] = float("-inf")
+    lens, firsts = ints(lengths), ints(kv_start, torch.int32)
+    for window, softcap, scale in [(0, 0.0, None), (33, 0.0, None), (0, 30.0, 0.3), (200, 5.0, 0.05)]:
+        with no_sync():
+            out = ops.attend(q, keys, values, lens, kv_start=firsts, scale=scale, window=window, softcap=softcap)
+        ref = reference_attend(q, keys, values, lens.cpu(), firsts.cpu(), scale, window, softcap)
+        assert_close_to_ref(out, ref, dtype)
+
+
+def test_attend_queries_that_see_nothing_output_zero():
+    lengths, first = [10, 10], [10, 8]  # row 0 sees nothing; row 1: query i sees [8, 7 + i]
+    q, keys, values = attend_case(torch.float32, 2, 2, 2, 64, 4, lengths, 16)
+    lens, firsts = ints(lengths), ints(first)
+    with no_sync():
+        out = ops.attend(q, keys, values, lens, kv_start=firsts)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert torch.equal(out[1, :, :2], torch.zeros_like(out[1, :, :2]))  # slots 6, 7 < kv_start
+    ref = reference_attend(q, keys, values, torch.tensor(lengths), torch.tensor(first))
+    assert_close_to_ref(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("batch,kv_heads", [(2, 1), (64, 8)])  # split-K + combine, and one split
+@pytest.mark.parametrize(
+    "bad_len,bad_first",
+    [(-1, 0), (0, 0), (4097, 0), (2**31, 0), (-(2**40), 0), (100, -1), (100, 101), (100, 2**40)],
+)
+def test_attend_bad_rows_get_nan_and_read_nothing(batch, kv_heads, bad_len, bad_first):
+    """A length outside [seq, max_len] or kv_start outside [0, length]: that row is NaN, the
+    others are exact; nothing out of bounds is read (the cache is a slice of a larger buffer
+    whose surroundings are NaN: a stray read would poison other rows)."""
+    seq, d, max_len = 2, 64, 4096
+    big = torch.full((batch, kv_heads, max_len + 64, d), float("nan"), device=DEV)
+    keys, values = big[:, :, 32 : 32 + max_len], big.clone()[:, :, 32 : 32 + max_len]
+    keys.copy_(rand(keys.shape, torch.float32, 1))
+    values.copy_(rand(values.shape, torch.float32, 2))
+    q = rand((batch, kv_heads * 4, seq, d), torch.float32, 3)
+    lengths = [max_len - 7 * r for r in range(batch)]
+    firsts = [0] * batch
+    bad = batch // 2
+    lengths[bad], firsts[bad] = bad_len, bad_first
+    lens, fst = ints(lengths), ints(firsts)
+    with no_sync():
+        out = ops.attend(q, keys, values, lens, kv_start=fst)
+    assert bool(out[bad].isnan().all())
+    good = [r for r in range(batch) if r != bad]
+    ref = reference_attend(q[good], keys[good], values[good], lens[good].cpu(), fst[good].cpu())
+    assert_close_to_ref(out[good], ref, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attend_strided_transposed_and_misaligned(dtype):
+    """Transposed q and cache, a strided head_dim (element loads) and a cache 4 bytes off a
+    16-byte boundary (no 16-byte loads allowed): same results as the dense case."""
+    b, h, kvh, s, d, t = 2, 8, 4, 3, 64, 200
+    lengths = [150, 3]
+    q, keys, values = attend_case(dtype, b, h, kvh, d, s, lengths, t, poison=False)
+    ref = reference_attend(q, keys, values, torch.tensor(lengths))
+    lens = ints(lengths)
+    forms = {
+        "transposed": lambda x: x.transpose(1, 2).contiguous().transpose(1, 2),
+        "strided": lambda x: torch.stack([x, torch.full_like(x, float("nan"))], -1).flatten(-2)[..., ::2],
+        "misaligned": lambda x: at_offset(tuple(x.shape), dtype, 4).copy_(x),
+    }
+    for name, form in forms.items():
+        for which in ("q", "keys", "values"):
+            args = {"q": q, "keys": keys, "values": values}
+            args[which] = form(args[which])
+            assert torch.equal(args[which], {"q": q, "keys": keys, "values": values}[which])
+            with no_sync():
+                out = ops.attend(args["q"], args["keys"], args["values"], lens)
+            assert_close_to_ref(out, ref, dtype)
+
+
+def test_attend_matches_cpu_kernel():
+    """The CUDA and CPU kernels (both float32 accumulation) agree closely."""
+    lengths = [37, 512, 1]
+    q, keys, values = attend_case(torch.float32, 3, 8, 2, 96, 1, lengths, 600, poison=False)
+    lens = ints(lengths)
+    with no_sync():
+        out = ops.attend(q, keys, values, lens, window=100, softcap=20.0)
+    cpu = ops.attend(q.cpu(), keys.cpu(), values.cpu(), torch.tensor(lengths), window=100, softcap=20.0)
+    torch.testing.assert_close(out.cpu(), cpu, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------ rollback and select_rows_
+
+
+@pytest.mark.parametrize("len_dtype", [torch.int32, torch.int64])
+def test_rollback(len_dtype):
+    lengths = ints([10, 7, 30, 0], len_dtype)
+    n, first = ints([3, 7, 0, 0]), ints([2, 0, 5, 0])
+    with no_sync():
+        lengths = ops.rollback(lengths, n, kv_start=first)
+    assert lengths.tolist() == [7, 0, 30, 0] and lengths.dtype == len_dtype
+    two = ints(2, torch.int32)
+    with no_sync():
+        out = ops.rollback(lengths, two)  # a 0-D n for every row, but row 1 holds 0: all poisoned
+    assert out.tolist() == [-1, -1, -1, -1]
+    assert lengths.tolist() == [7, 0, 30, 0]  # the input is never written
+    scalar, five = ints(12, len_dtype), ints(5)
+    with no_sync():
+        out = ops.rollback(scalar, five)
+    assert out.shape == () and int(out) == 7
+
+
+@pytest.mark.parametrize(
+    "lengths,n,kv_start",
+    [
+        ([5, 5], [6, 0], None),  # more than the row holds
+        ([5, 5], [0, -1], None),  # negative n
+        ([-1, 5], [0, 0], None),  # negative length
+        ([5, 5], [0, 3], [0, 3]),  # below kv_start
+        ([5, 5], [0, 0], [0, 6]),  # kv_start past the length
+        ([5, 5], [0, 0], [-1, 0]),
+        ([5, 5], [0, 2**63 - 1], None),  # len - n would overflow
+        ([5, 5], [-(2**63), 0], None),
+    ],
+)
+def test_rollback_bad_values_poison_every_length(lengths, n, kv_start):
+    ln = ints(lengths)
+    firsts = None if kv_start is None else ints(kv_start)
+    drop = ints(n)
+    with no_sync():
+        out = ops.rollback(ln, drop, kv_start=firsts)
+    assert out.tolist() == [-1, -1]
+    assert ln.tolist() == lengths
+
+
+def reference_select(keys, values, lengths, index):
+    """Row b takes row index[b]'s filled slots and length; slots past that keep row b's data."""
+    k, v = keys.clone(), values.clone()
+    lens = lengths.expand(keys.shape[0]).tolist() if lengths.dim() == 0 else lengths.tolist()
+    new = []
+    for b, src in enumerate(index):
+        n = lens[src]
+        if src != b:
+            k[b, :, :n] = keys[src, :, :n]
+            v[b, :, :n] = values[src, :, :n]
+        new.append(n)
+    return k, v, new
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.complex128, torch.bool])
+@pytest.mark.parametrize(
+    "index",
+    [[1, 2, 3, 0], [0, 0, 0, 0], [3, 3, 1, 1], [0, 1, 2, 3], [2, 0, 2, 1]],
+    ids=["permutation", "all-from-0", "repeats", "identity", "subset"],
+)
+@pytest.mark.parametrize("layout", ["bhtd", "bthd"])
+def test_select_rows(dtype, index, layout):
+    """Permutations, repeats, subsets: only filled slots move; canaries stay."""
+    big, keys, values, cut = with_canaries(4, 3, 50, 24, dtype, layout=layout)
+    lengths = ints([50, 0, 17, 33], torch.int32)
+    ek, ev, new = reference_select(keys, values, lengths.cpu(), index)
+    eb = expected_big(big, cut, ek, ev)
+    idx = ints(index)
+    with no_sync():
+        out = ops.select_rows_(keys, values, lengths, idx)
+    assert_same(big, eb)
+    assert out.tolist() == new and lengths.tolist() == [50, 0, 17, 33]
+
+
+def test_select_rows_0d_lengths_and_misaligned():
+    keys = at_offset((3, 2, 20, 3), torch.complex128, 8, seed=1)  # 8-byte units only
+    values = rand((3, 2, 20, 6), torch.complex128, 2)[..., ::2]  # element path
+    lengths = ints(11)
+    index = [2, 2, 0]
+    ek, _, _ = reference_select(bytes_of(keys), bytes_of(keys), lengths.cpu(), index)
+    _, ev, _ = reference_select(values, values, lengths.cpu(), index)
+    idx = ints(index, torch.int32)
+    with no_sync():
+        out = ops.select_rows_(keys, values, lengths, idx)
+    torch.cuda.synchronize()
+    assert torch.equal(bytes_of(keys), ek)
+    assert_same(values, ev)
+    assert out.shape == () and int(out) == 11
+
+
+def test_select_rows_several_scratch_rounds():
+    """Buffers of 1 GiB: the moved slots go through the scratch in several rounds."""
+    b, h, t, d = 8, 8, 16384, 128
+    keys, values = rand((b, h, t, d), torch.float32, 1), rand((b, h, t, d), torch.float32, 2)
+    lengths = ints([16384, 9000, 100, 0, 8193, 8192, 1, 16000], torch.int64)
+    index = [7, 0, 0, 4, 1, 5, 3, 6]
+    ek, ev, new = reference_select(keys, values, lengths.cpu(), index)
+    idx = ints(index)
+    with no_sync():
+        out = ops.select_rows_(keys, values, lengths, idx)
+    assert torch.equal(keys, ek) and torch.equal(values, ev)
+    assert out.tolist() == new
+
+
+@pytest.mark.parametrize(
+    "lengths,index",
+    [
+        ([5, 5, 5], [0, 3, 1]),  # index == batch
+        ([5, 5, 5], [-1, 0, 1]),
+        ([5, 5, 5], [0, 2**40, 1]),
+        ([5, 51, 5], [0, 0, 0]),  # a length past max_len (even one not selected)
+        ([5, -1, 5], [2, 2, 2]),
+    ],
+)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_select_rows_bad_values_write_nothing(lengths, index, index_dtype):
+    if index_dtype == torch.int32 and max(abs(i) for i in index) >= 2**31:
+        pytest.skip("not an int32 value")
+    big, keys, values, _ = with_canaries(3, 2, 50, 8, torch.float32)
+    before = big.clone()
+    ln = ints(lengths)
+    idx = ints(index, index_dtype)
+    with no_sync():
+        out = ops.select_rows_(keys, values, ln, idx)
+    assert_same(big, before)
+    assert out.tolist() == [-1, -1, -1] and ln.tolist() == lengths
+
+
+# ----------------------------------------------------------------- misc
+
+
+def test_sparse_cuda_inputs_raise_value_error():
+    keys = torch.zeros(1, 1, 4, 2, device=DEV)
+    sparse = torch.zeros(1, 1, 1, 2, device=DEV).to_sparse()
+    with pytest.raises(ValueError):
+        ops.update_(keys, keys.clone(), sparse, sparse, 0)
+
+
+def test_host_checks_still_raise_on_cuda():
+    keys = torch.zeros(2, 3, 16, 8, device=DEV)
+    values = torch.zeros_like(keys)
+    kn = torch.zeros(2, 3, 4, 8, device=DEV)
+    with pytest.raises(ValueError, match="KV cache overflow: end=17 exceeds max_len=16"):
+        ops.update_(keys, values, kn, kn.clone(), 13)
+    with pytest.raises(ValueError, match="must be on the cache's device"):
+        ops.update_.Tensor(keys, values, kn, kn.clone(), torch.tensor(0))
+    with pytest.raises(ValueError):  # a start that aliases the cache buffers
+        ops.update_.Tensor(keys, values, kn, kn.clone(), keys.view(torch.int32)[0, 0, 0, 0])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_runs_on_the_tensors_device():
+    """The kernels set their device from the tensors, not from the current device."""
+    dev1 = torch.device("cuda", 1)
+    keys = torch.zeros(2, 2, 8, 4, device=dev1)
+    values = torch.zeros_like(keys)
+    kn = torch.randn(2, 2, 3, 4, device=dev1)
+    with torch.cuda.device(0):
+        length = ops.update_.Tensor(keys, values, kn, kn + 1, torch.tensor([0, 2], device=dev1))
+        out = ops.attend(torch.randn(2, 4, 1, 4, device=dev1), keys, values, length)
+    assert length.device == dev1 and length.tolist() == [3, 5]
+    assert torch.equal(keys[1, :, 2:5], kn[1]) and out.device == dev1
+
+
+def opcheck_samples():
+    keys = torch.zeros(2, 3, 16, 8, device=DEV, dtype=torch.bfloat16)
+    values = torch.zeros_like(keys)
+    kn = rand((2, 3, 4, 8), torch.bfloat16, 1)
+    vn = rand((2, 3, 4, 8), torch.bfloat16, 2)
+    q = rand((2, 6, 4, 8), torch.bfloat16, 3)
+    filled_k, filled_v = rand(keys.shape, torch.bfloat16, 4), rand(keys.shape, torch.bfloat16, 5)
+    yield "update_", ops.update_.default, (keys, values, kn, vn, 5), {}
+    yield "update_.Tensor", ops.update_.Tensor, (keys, values, kn, vn, ints([1, 9])), {}
+    yield "append_", ops.append_.default, (keys, values, ints([2, 0], torch.int32), kn, vn), {}
+    yield "attend", ops.attend.default, (q, filled_k, filled_v, ints([9, 16])), {"kv_start": ints([0, 3]), "window": 5}
+    yield "rollback", ops.rollback.default, (ints([9, 16]), ints([2, 1])), {}
+    yield "select_rows_", ops.select_rows_.default, (filled_k, filled_v, ints([9, 16]), ints([1, 1])), {}
+
+
+@pytest.mark.parametrize("name,op,args,kwargs", list(opcheck_samples()) if torch.cuda.is_available() else [],
+                         ids=lambda v: v if isinstance(v, str) else "")
+def test_opcheck_cuda(name, op, args, kwargs):
+    from torch.library import opcheck
+
+    result = opcheck(op, args, kwargs)
+    assert all(v == "SUCCESS" for v in result.values()), result

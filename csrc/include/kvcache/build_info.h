@@ -8,11 +8,20 @@
 
 namespace kvcache {
 
+// The CUDA fields come from the CUDA compiler itself (CUDART_VERSION and
+// nvcc's __CUDA_ARCH_LIST__, recorded by csrc/cuda/build_facts.cu), so
+// every build system reports the same facts for the same compilation.
 struct BuildInfo {
-  bool with_cuda;             // CUDA kernels compiled in
+  // CUDA kernels linked in: the CUDA objects are in the library and every
+  // operator's CUDA work is registered.
+  bool with_cuda;
   std::string torch_version;  // torch the library was compiled against
-  std::string cuda_version;   // CUDA toolkit version, "" without CUDA
-  std::string cuda_archs;     // TORCH_CUDA_ARCH_LIST used, "" without CUDA
+  // CUDA runtime headers compiled against, "major.minor" ("" without CUDA).
+  std::string cuda_version;
+  // Architectures compiled for, as TORCH_CUDA_ARCH_LIST spells them
+  // ("8.0;9.0"; "" without CUDA). nvcc reports the virtual architecture of
+  // each target, so whether PTX is embedded as well is not shown here.
+  std::string cuda_archs;
 };
 
 /// Returns how this library was built.

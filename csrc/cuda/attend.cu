@@ -1,0 +1,615 @@
+// CUDA work of attend (see csrc/ops/attend.h).
+//
+// One kernel serves decode (seq = 1), chunked prefill, prefill and
+// speculative verification; a second merges the splits when there are
+// several.
+//
+// Work split. A (batch row b, KV head) owns group * seq query rows, ordered
+// query position major (row = i * group + g, query head = kvh * group + g),
+// so a tile of rows shares nearly one slot range. A block takes up to R of
+// those rows (grouped-query packing: each K/V slot it loads serves all the
+// query heads of the group) and one split of their slots. Grid: x = (b,
+// KV head, row tile), y = split.
+//
+// Everything that depends on the lengths is decided on the device: each
+// block reads lengths[b] and kv_start[b] (O(1)), so there is no host sync
+// and the launches can be captured in a CUDA graph. A row whose length is
+// outside [seq, max_len] or whose kv_start is outside [0, length] reads
+// nothing and gets NaN. Query i of row b sits at slot p = length - seq + i
+// and sees slots [max(kv_start, p - window + 1 if window), p]; one that sees
+// no slot gets zeros. Slots are read only inside a row's visible ranges'
+// union, which lies within [kv_start, length): NaN or Inf in unused slots
+// never reaches the result.
+//
+// Per block, over tiles of N slots: K tile -> shared memory (float), scores
+// of R rows x N slots (each thread one slot, all R rows: a K element is read
+// once per R multiply-adds; P threads share a slot's dot product and reduce
+// with warp shuffles), online softmax per row (float32), V tile -> shared
+// memory, accumulate. 16-byte global loads when a buffer's rows allow them,
+// element loads otherwise. Accumulation in float32 for every dtype.
+//
+// Splits: the host picks an upper bound from host-known shapes only (enough
+// blocks to fill the GPU); on the device each block takes
+// max(ceil(range / splits), kMinSplitSlots) slots of its rows' range, so a
+// short row uses few splits and the rest exit at once. With one split the
+// block writes the output; otherwise it writes (max, sum, accumulator) to a
+// scratch buffer from the caching allocator (sized from shapes, never from
+// device values) and attend_combine_kernel merges them.
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "../ops/attend.h"
+#include "launch.cuh"
+
+namespace kvcache {
+namespace {
+
+using detail::AttendParams;
+using detail::IntRows;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxRows = 16;           // query rows per block (R) at most
+constexpr int64_t kMinSplitSlots = 64;  // a split covers at least this many slots
+constexpr int64_t kMaxSplits = 64;
+constexpr int kCombineThreads = 128;
+// An upper bound on attend_kernel's static shared memory (per-row scalars).
+constexpr int64_t kStaticSmemBytes = 1024;
+
+struct AttnArgs {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* out;
+  int64_t qs[4], ks[4], vs[4], os[4];  // element strides
+  int64_t batch, num_heads, kv_heads, group, seq, head_dim, max_len;
+  int64_t rows_per_kv;  // group * seq
+  int64_t row_tiles;    // ceil(rows_per_kv / R)
+  int tile_slots;       // N: slots per tile
+  int parts;            // P = kThreads / N: threads per slot's dot product
+  int pitch;            // floats between two slots' rows in shared memory
+  int splits;
+  bool k_vec, v_vec;  // 16-byte loads allowed
+  float scale, softcap;
+  int64_t window;
+  IntRows lengths, kv_start;
+  float* part_ml;   // splits > 1: (split, row) -> (max, sum)
+  float* part_acc;  // splits > 1: (split, row, head_dim)
+  int64_t total_rows;  // batch * num_heads * seq
+};
+
+template <typename T>
+__device__ __forceinline__ float to_float(T x) {
+  return static_cast<float>(x);
+}
+
+// Row b's length and first slot, and whether they are usable.
+struct RowBounds {
+  int64_t len;
+  int64_t first;
+  bool valid;
+};
+
+// Read by thread 0 and shared, so that every thread of the block takes the
+// same branch (it decides early exits before barriers) even if another
+// stream were changing the lengths meanwhile. Ends with a barrier.
+__device__ __forceinline__ RowBounds row_bounds(const AttnArgs& a, int64_t b) {
+  __shared__ RowBounds shared;
+  if (threadIdx.x == 0) {
+    RowBounds r;
+    r.len = detail::read_row(a.lengths, b);
+    r.first = a.kv_start.data != nullptr ? detail::read_row(a.kv_start, b) : 0;
+    r.valid = r.len >= a.seq && r.len <= a.max_len && r.first >= 0 &&
+              r.first <= r.len;
+    shared = r;
+  }
+  __syncthreads();
+  return shared;
+}
+
+// Loads slots [j0, j0 + n) of one (b, KV head) into kv_s (float, `pitch`
+// floats per slot). `base` points at slot 0 of that (b, KV head).
+template <typename T>
+__device__ __forceinline__ void load_tile(float* kv_s, int pitch,
+                                          const T* base, int64_t slot_stride,
+                                          int64_t elem_stride, int64_t j0,
+                                          int n, int D, bool vec) {
+  const T* rows = base + j0 * slot_stride;
+  if (vec) {
+    // 16 bytes = V elements per load; rows are V-aligned (checked on the
+    // host), and so are the shared-memory rows (pitch and D are multiples
+    // of 4 floats here), so the floats go out as float4 stores.
+    constexpr int V = 16 / sizeof(T);
+    const int per_row = D / V;
+    const int total = n * per_row;
+    for (int idx = threadIdx.x; idx < total; idx += kThreads) {
+      const int jl = idx / per_row;
+      const int c = idx - jl * per_row;
+      const uint4 raw =
+          *reinterpret_cast<const uint4*>(rows + jl * slot_stride + c * V);
+      const T* vals = reinterpret_cast<const T*>(&raw);
+      float* dst = kv_s + jl * pitch + c * V;
+#pragma unroll
+      for (int e = 0; e < V; e += 4) {
+        *reinterpret_cast<float4*>(dst + e) =
+            make_float4(to_float(vals[e]), to_float(vals[e + 1]),
+                        to_float(vals[e + 2]), to_float(vals[e + 3]));
+      }
+    }
+  } else {
+    const int total = n * D;
+    for (int idx = threadIdx.x; idx < total; idx += kThreads) {
+      const int jl = idx / D;
+      const int d = idx - jl * D;
+      kv_s[jl * pitch + d] = to_float(rows[jl * slot_stride + d * elem_stride]);
+    }
+  }
+}
+
+// The query head and position of row r (of rows_per_kv) of KV head kvh.
+__device__ __forceinline__ void row_place(const AttnArgs& a, int64_t kvh,
+                                          int64_t row, int64_t* h,
+                                          int64_t* i) {
+  *i = row / a.group;
+  *h = kvh * a.group + (row - *i * a.group);
+}
+
+template <typename T, int R>
+__global__ void __launch_bounds__(kThreads)
+    attend_kernel(const AttnArgs a) {
+  extern __shared__ float4 smem4[];  // 16-byte aligned
+  float* kv_s = reinterpret_cast<float*>(smem4);  // N x pitch
+  const int D = static_cast<int>(a.head_dim);
+  const int N = a.tile_slots;
+  float* q_s = kv_s + N * a.pitch;  // R x D
+  float* acc_s = q_s + R * D;       // R x D
+  float* p_s = acc_s + R * D;       // R x N: scores, then probabilities
+  __shared__ float m_s[R], l_s[R], alpha_s[R];
+  __shared__ int64_t lo_s[R], hi_s[R];  // visible slots [lo, hi); empty: lo == hi
+  __shared__ int64_t range_s[2];        // this block's slots
+
+  const int tid = threadIdx.x;
+  const int64_t tile = static_cast<int64_t>(blockIdx.x) % a.row_tiles;
+  const int64_t bk = static_cast<int64_t>(blockIdx.x) / a.row_tiles;
+  const int64_t kvh = bk % a.kv_heads;
+  const int64_t b = bk / a.kv_heads;
+  const int split = blockIdx.y;
+  const int64_t row0 = tile * R;
+  const int64_t rem = a.rows_per_kv - row0;
+  const int rows = rem < R ? static_cast<int>(rem) : R;
+
+  const T* qp = static_cast<const T*>(a.q);
+  T* outp = static_cast<T*>(a.out);
+
+  const RowBounds rb = row_bounds(a, b);  // uniform across the block
+  if (!rb.valid) {
+    if (a.splits == 1) {
+      for (int idx = tid; idx < rows * D; idx += kThreads) {
+        const int r = idx / D;
+        const int d = idx - r * D;
+        int64_t h, i;
+        row_place(a, kvh, row0 + r, &h, &i);
+        outp[b * a.os[0] + h * a.os[1] + i * a.os[2] + d * a.os[3]] =
+            static_cast<T>(std::numeric_limits<float>::quiet_NaN());
+      }
+    }
+    return;  // with splits, attend_combine_kernel writes the NaN
+  }
+
+  if (tid < R) {
+    int64_t lo = 0, hi = 0;
+    if (tid < rows) {
+      int64_t h, i;
+      row_place(a, kvh, row0 + tid, &h, &i);
+      const int64_t pos = rb.len - a.seq + i;  // in [0, len)
+      hi = pos + 1;
+      lo = rb.first;
+      // pos - window + 1 >= 2 - 2^63: no overflow.
+      if (a.window > 0 && pos - a.window + 1 > lo) lo = pos - a.window + 1;
+      if (lo > hi) lo = hi;
+    }
+    lo_s[tid] = lo;
+    hi_s[tid] = hi;
+    m_s[tid] = -INFINITY;
+    l_s[tid] = 0.f;
+  }
+  for (int idx = tid; idx < R * D; idx += kThreads) {
+    const int r = idx / D;
+    const int d = idx - r * D;
+    float x = 0.f;  // rows past `rows`: zero queries, never visible
+    if (r < rows) {
+      int64_t h, i;
+      row_place(a, kvh, row0 + r, &h, &i);
+      x = to_float(qp[b * a.qs[0] + h * a.qs[1] + i * a.qs[2] + d * a.qs[3]]);
+    }
+    q_s[idx] = x;
+    acc_s[idx] = 0.f;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
+    for (int r = 0; r < rows; ++r) {
+      if (lo_s[r] < hi_s[r]) {
+        lo = lo_s[r] < lo ? lo_s[r] : lo;
+        hi = hi_s[r] > hi ? hi_s[r] : hi;
+      }
+    }
+    int64_t s0 = 0, s1 = 0;
+    if (lo < hi) {
+      int64_t per = (hi - lo + a.splits - 1) / a.splits;
+      if (per < kMinSplitSlots) per = kMinSplitSlots;
+      s0 = lo + split * per;  // <= 2^31 + 64 * 2^31: no overflow
+      s1 = s0 + per < hi ? s0 + per : hi;
+      if (s0 >= s1) s0 = s1 = 0;
+    }
+    range_s[0] = s0;
+    range_s[1] = s1;
+  }
+  __syncthreads();
+  const int64_t s0 = range_s[0];
+  const int64_t s1 = range_s[1];
+
+  const T* kp = static_cast<const T*>(a.k) + b * a.ks[0] + kvh * a.ks[1];
+  const T* vp = static_cast<const T*>(a.v) + b * a.vs[0] + kvh * a.vs[1];
+  const int P = a.parts;
+  const int jl = tid / P;  // this thread's slot in a tile (N * P = kThreads)
+  const int part = tid - jl * P;
+  const int warp = tid / 32;
+  const int lane = tid & 31;
+
+  for (int64_t j0 = s0; j0 < s1; j0 += N) {
+    const int n = s1 - j0 < N ? static_cast<int>(s1 - j0) : N;
+    load_tile(kv_s, a.pitch, kp, a.ks[2], a.ks[3], j0, n, D, a.k_vec);
+    __syncthreads();
+
+    // Scores: thread (jl, part) sums d = part, part + P, ... for all R rows.
+    float dot[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) dot[r] = 0.f;
+    if (jl < n) {
+      const float* krow = kv_s + jl * a.pitch;
+      for (int d = part; d < D; d += P) {
+        const float kd = krow[d];
+#pragma unroll
+        for (int r = 0; r < R; ++r) dot[r] += q_s[r * D + d] * kd;
+      }
+    }
+    // The P threads of a slot are adjacent lanes of one warp (P divides 32).
+    for (int off = P / 2; off > 0; off /= 2) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], off);
+    }
+    if (part == 0) {
+      const int64_t j = j0 + jl;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float s = -INFINITY;
+        if (jl < n && j >= lo_s[r] && j < hi_s[r]) {
+          s = dot[r] * a.scale;
+          if (a.softcap > 0.f) s = a.softcap * tanhf(s / a.softcap);
+        }
+        p_s[r * N + jl] = s;
+      }
+    }
+    __syncthreads();
+
+    // Online softmax, one warp per row.
+    for (int r = warp; r < rows; r += kWarps) {
+      float mx = -INFINITY;
+      for (int c = lane; c < N; c += 32) mx = fmaxf(mx, p_s[r * N + c]);
+      for (int off = 16; off > 0; off /= 2) {
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      }
+      const float m_old = m_s[r];
+      const float m_new = fmaxf(m_old, mx);
+      float sum = 0.f;
+      for (int c = lane; c < N; c += 32) {
+        const float s = p_s[r * N + c];
+        const float e = s == -INFINITY ? 0.f : expf(s - m_new);
+        p_s[r * N + c] = e;
+        sum += e;
+      }
+      for (int off = 16; off > 0; off /= 2) {
+        sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      }
+      if (lane == 0) {
+        // m_old = -inf: nothing seen yet, the accumulator is zero.
+        const float alpha = m_old == -INFINITY ? 0.f : expf(m_old - m_new);
+        alpha_s[r] = alpha;
+        l_s[r] = l_s[r] * alpha + sum;
+        m_s[r] = m_new;
+      }
+    }
+    // The K tile is no longer read (barrier above): V replaces it.
+    load_tile(kv_s, a.pitch, vp, a.vs[2], a.vs[3], j0, n, D, a.v_vec);
+    __syncthreads();
+
+    // acc[r][d] = acc * alpha + sum over the row's visible slots of p * v.
+    // Only visible slots are touched: a probability of 0 never multiplies a
+    // value (0 * Inf would be NaN).
+    for (int idx = tid; idx < rows * D; idx += kThreads) {
+      const int r = idx / D;
+      const int d = idx - r * D;
+      float acc = acc_s[idx] * alpha_s[r];
+      const int64_t from = lo_s[r] - j0;
+      const int64_t to = hi_s[r] - j0;
+      const int c0 = from > 0 ? static_cast<int>(from) : 0;
+      const int c1 = to < n ? static_cast<int>(to > 0 ? to : 0) : n;
+      for (int c = c0; c < c1; ++c) acc += p_s[r * N + c] * kv_s[c * a.pitch + d];
+      acc_s[idx] = acc;
+    }
+    __syncthreads();  // before the next tile overwrites kv_s and p_s
+  }
+
+  if (a.splits == 1) {
+    for (int idx = tid; idx < rows * D; idx += kThreads) {
+      const int r = idx / D;
+      const int d = idx - r * D;
+      int64_t h, i;
+      row_place(a, kvh, row0 + r, &h, &i);
+      const float l = l_s[r];
+      const float o = l > 0.f ? acc_s[idx] / l : 0.f;  // no visible slot: 0
+      outp[b * a.os[0] + h * a.os[1] + i * a.os[2] + d * a.os[3]] =
+          static_cast<T>(o);
+    }
+  } else {
+    for (int idx = tid; idx < rows * D; idx += kThreads) {
+      const int r = idx / D;
+      const int d = idx - r * D;
+      int64_t h, i;
+      row_place(a, kvh, row0 + r, &h, &i);
+      const int64_t prow = (b * a.num_heads + h) * a.seq + i;
+      const int64_t at = split * a.total_rows + prow;
+      if (d == 0) {
+        a.part_ml[2 * at] = m_s[r];
+        a.part_ml[2 * at + 1] = l_s[r];
+      }
+      a.part_acc[at * D + d] = acc_s[idx];
+    }
+  }
+}
+
+// Merges the splits of one query row (b, h, i) per block.
+template <typename T>
+__global__ void __launch_bounds__(kCombineThreads)
+    attend_combine_kernel(const AttnArgs a) {
+  __shared__ float w_s[kMaxSplits];
+  const int64_t prow = blockIdx.x;
+  const int64_t i = prow % a.seq;
+  const int64_t bh = prow / a.seq;
+  const int64_t h = bh % a.num_heads;
+  const int64_t b = bh / a.num_heads;
+  T* out = static_cast<T*>(a.out) + b * a.os[0] + h * a.os[1] + i * a.os[2];
+  const int D = static_cast<int>(a.head_dim);
+  const RowBounds rb = row_bounds(a, b);
+  if (!rb.valid) {  // attend_kernel wrote no partials for this row
+    for (int d = threadIdx.x; d < D; d += kCombineThreads) {
+      out[d * a.os[3]] = static_cast<T>(std::numeric_limits<float>::quiet_NaN());
+    }
+    return;
+  }
+  // A split that saw no slot has sum 0 and contributes nothing (its
+  // accumulator is not read).
+  float m = -INFINITY;
+  for (int s = 0; s < a.splits; ++s) {
+    const int64_t at = s * a.total_rows + prow;
+    if (a.part_ml[2 * at + 1] > 0.f) m = fmaxf(m, a.part_ml[2 * at]);
+  }
+  if (threadIdx.x < a.splits) {
+    const int64_t at = threadIdx.x * a.total_rows + prow;
+    const float l = a.part_ml[2 * at + 1];
+    w_s[threadIdx.x] = l > 0.f ? expf(a.part_ml[2 * at] - m) : 0.f;
+  }
+  __syncthreads();
+  float total = 0.f;
+  for (int s = 0; s < a.splits; ++s) {
+    if (w_s[s] > 0.f) total += w_s[s] * a.part_ml[2 * (s * a.total_rows + prow) + 1];
+  }
+  for (int d = threadIdx.x; d < D; d += kCombineThreads) {
+    float o = 0.f;
+    for (int s = 0; s < a.splits; ++s) {
+      if (w_s[s] > 0.f) o += w_s[s] * a.part_acc[(s * a.total_rows + prow) * D + d];
+    }
+    out[d * a.os[3]] = static_cast<T>(total > 0.f ? o / total : 0.f);
+  }
+}
+
+// 16-byte loads of a (b, KV head, slot, element) buffer: contiguous rows,
+// and every address they form a multiple of 16 bytes.
+bool allows_vec(const void* data, const int64_t* stride, const int64_t* size,
+                int64_t elem) {
+  if (size[3] > 1 && stride[3] != 1) return false;
+  if ((size[3] * elem) % 16 != 0) return false;
+  if (reinterpret_cast<uintptr_t>(data) % 16 != 0) return false;
+  for (int k = 0; k < 3; ++k) {
+    if (size[k] > 1 && (stride[k] * elem) % 16 != 0) return false;
+  }
+  return true;
+}
+
+struct DeviceLimits {
+  int64_t smem_optin;       // shared memory per block, with the opt-in
+  int64_t multiprocessors;
+};
+
+// Two attribute queries (no sync, legal during graph capture); cheap, but
+// cached per device since every call needs them.
+DeviceLimits device_limits(int device) {
+  constexpr int kDevices = 64;
+  static std::atomic<int64_t> cached[kDevices][2];  // zero-initialized
+  if (device >= 0 && device < kDevices && cached[device][0].load() > 0) {
+    return {cached[device][0].load(), cached[device][1].load()};
+  }
+  int smem = 0, sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(
+      &smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  C10_CUDA_CHECK(
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  if (device >= 0 && device < kDevices) {
+    cached[device][1].store(sms);
+    cached[device][0].store(smem);
+  }
+  return {smem, sms};
+}
+
+int64_t smem_bytes(int R, int N, int64_t D, int P) {
+  const int64_t pitch = ((D + 31) / 32) * 32 + P;
+  return 4 * (N * pitch + 2 * R * D + R * N);
+}
+
+template <typename T, int R>
+void launch_rows(const AttnArgs& a, int64_t smem, dim3 grid,
+                 cudaStream_t stream) {
+  auto kernel = attend_kernel<T, R>;
+  // Dynamic + static shared memory above the default 48 KiB needs the
+  // opt-in (the static part is under 1 KiB).
+  if (smem + kStaticSmemBytes > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        static_cast<int>(smem)));
+  }
+  kernel<<<grid, kThreads, static_cast<size_t>(smem), stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void attend_typed(const AttendParams& p, AttnArgs a, int R, int64_t smem,
+                  cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(p.batch * p.kv_heads * a.row_tiles),
+                  static_cast<unsigned>(a.splits));
+  switch (R) {
+    case 1: launch_rows<T, 1>(a, smem, grid, stream); break;
+    case 2: launch_rows<T, 2>(a, smem, grid, stream); break;
+    case 4: launch_rows<T, 4>(a, smem, grid, stream); break;
+    case 8: launch_rows<T, 8>(a, smem, grid, stream); break;
+    default: launch_rows<T, 16>(a, smem, grid, stream); break;
+  }
+  if (a.splits > 1) {
+    attend_combine_kernel<T><<<static_cast<unsigned>(a.total_rows),
+                               kCombineThreads, 0, stream>>>(a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+void attend_cuda(const AttendParams& p) {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(p.device_index));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const DeviceLimits dev = device_limits(p.device_index);
+
+  AttnArgs a{};
+  a.q = p.q;
+  a.k = p.k;
+  a.v = p.v;
+  a.out = p.out;
+  for (int k = 0; k < 4; ++k) {
+    a.qs[k] = p.q_stride[k];
+    a.ks[k] = p.k_stride[k];
+    a.vs[k] = p.v_stride[k];
+    a.os[k] = p.out_stride[k];
+  }
+  a.batch = p.batch;
+  a.num_heads = p.num_heads;
+  a.kv_heads = p.kv_heads;
+  a.group = p.num_heads / p.kv_heads;  // kv_heads >= 1: the output is not empty
+  a.seq = p.seq;
+  a.head_dim = p.head_dim;
+  a.max_len = p.max_len;
+  a.scale = p.scale;
+  a.softcap = p.softcap;
+  a.window = p.window;
+  a.lengths = p.lengths;
+  a.kv_start = p.kv_start;
+  a.rows_per_kv = a.group * a.seq;
+  a.total_rows = p.batch * p.num_heads * p.seq;
+
+  const int64_t elem = p.dtype == detail::AttnDtype::kFloat32 ? 4 : 2;
+  const int64_t D = p.head_dim;
+  // Shared memory: prefer R rows (the whole group when it fits), then the
+  // widest slot tile that fits the device's limit.
+  int R = 1;
+  while (R < kMaxRows && R < a.rows_per_kv) R *= 2;
+  const int64_t limit =
+      dev.smem_optin - kStaticSmemBytes;
+  int N = 0;
+  int64_t smem = 0;
+  for (; R >= 1 && N == 0; R /= 2) {
+    for (int n : {64, 32, 16, 8}) {
+      const int64_t bytes = smem_bytes(R, n, D, kThreads / n);
+      if (bytes <= limit) {
+        N = n;
+        smem = bytes;
+        break;
+      }
+    }
+    if (N != 0) break;
+  }
+  TORCH_CHECK_VALUE(N != 0, "kvcache::attend on CUDA: head_dim=", D,
+                    " needs more shared memory than this GPU offers (",
+                    limit, " bytes per block)");
+  a.tile_slots = N;
+  a.parts = kThreads / N;
+  a.pitch = static_cast<int>(((D + 31) / 32) * 32 + a.parts);
+  a.row_tiles = (a.rows_per_kv + R - 1) / R;
+
+  const int64_t blocks = p.batch * p.kv_heads * a.row_tiles;
+  TORCH_CHECK_VALUE(blocks <= std::numeric_limits<int32_t>::max(),
+                    "kvcache::attend on CUDA: batch * num_kv_heads * query "
+                    "tiles = ", blocks, " is too large for one launch");
+  // Splits: enough blocks for two waves on every multiprocessor, from
+  // host-known shapes only; never more than the longest possible row needs.
+  int64_t splits = 1;
+  const int64_t want = 2 * dev.multiprocessors;
+  if (blocks < want) {
+    splits = (want + blocks - 1) / blocks;
+    const int64_t by_len = (p.max_len + kMinSplitSlots - 1) / kMinSplitSlots;
+    if (splits > by_len) splits = by_len;
+    if (splits > kMaxSplits) splits = kMaxSplits;
+    if (splits < 1) splits = 1;
+  }
+  a.splits = static_cast<int>(splits);
+  a.k_vec = false;
+  a.v_vec = false;
+  const int64_t kv_size[4] = {p.batch, p.kv_heads, p.max_len, D};
+  // float4 shared-memory stores need D to be a multiple of 4 floats.
+  if (D % 4 == 0) {
+    a.k_vec = allows_vec(p.k, p.k_stride, kv_size, elem);
+    a.v_vec = allows_vec(p.v, p.v_stride, kv_size, elem);
+  }
+
+  at::Tensor scratch;
+  if (a.splits > 1) {
+    // (max, sum) and the accumulator of every (split, row): host-known
+    // sizes; stream-ordered caching-allocator memory (graph-safe).
+    const int64_t floats = a.splits * a.total_rows * (D + 2);
+    scratch = at::empty({floats},
+                        at::TensorOptions()
+                            .dtype(at::kFloat)
+                            .device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(p.device_index))));
+    a.part_ml = scratch.data_ptr<float>();
+    a.part_acc = a.part_ml + 2 * a.splits * a.total_rows;
+  }
+
+  switch (p.dtype) {
+    case detail::AttnDtype::kFloat32:
+      attend_typed<float>(p, a, R, smem, stream);
+      break;
+    case detail::AttnDtype::kBFloat16:
+      attend_typed<c10::BFloat16>(p, a, R, smem, stream);
+      break;
+    case detail::AttnDtype::kFloat16:
+      attend_typed<c10::Half>(p, a, R, smem, stream);
+      break;
+  }
+}
+
+}  // namespace
+}  // namespace kvcache
+
+KVCACHE_REGISTER_KERNEL(attend_stub, cuda, &kvcache::attend_cuda);

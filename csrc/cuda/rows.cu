@@ -1,0 +1,233 @@
+// CUDA work of rollback and select_rows_ (see csrc/ops/rows.h). The
+// operator entries have checked everything the host can see; the values of
+// the device tensors (lengths, n, kv_start, index) are checked here, all
+// before anything is written: one bad row makes the op write nothing but
+// -1 into every entry of the new lengths it returns (the one check that is
+// always right: (lengths >= 0).all()). No host sync; every launch can be
+// captured in a CUDA graph.
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <limits>
+
+#include "../ops/rows.h"
+#include "copy.cuh"
+#include "launch.cuh"
+
+namespace kvcache {
+namespace {
+
+using cuda::CopyPlan;
+using detail::IntRows;
+using detail::RollbackParams;
+using detail::SelectRowsParams;
+
+// ----------------------------------------------------------------- rollback
+
+// One block: every row is checked before any entry of `out` is written.
+__global__ void rollback_kernel(const IntRows lengths, const IntRows n,
+                                const IntRows kv_start, const IntRows out,
+                                int64_t rows) {
+  int bad = 0;
+  for (int64_t b = threadIdx.x; b < rows; b += blockDim.x) {
+    const int64_t len = detail::read_row(lengths, b);
+    const int64_t drop = detail::read_row(n, b);
+    const int64_t first =
+        kv_start.data != nullptr ? detail::read_row(kv_start, b) : 0;
+    // drop > len - first, never len - drop < first: len - first cannot
+    // overflow once 0 <= first <= len, a drop near 2^63 could.
+    bad |= (len < 0) | (first < 0) | (first > len) | (drop < 0) |
+           (drop > len - first);
+  }
+  bad = __syncthreads_or(bad);
+  for (int64_t b = threadIdx.x; b < rows; b += blockDim.x) {
+    detail::write_row(out, b,
+                      bad ? detail::kPoisonLength
+                          : detail::read_row(lengths, b) -
+                                detail::read_row(n, b));
+  }
+}
+
+void rollback_cuda(const RollbackParams& p) {
+  if (p.rows <= 0) return;
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(p.device_index));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  rollback_kernel<<<1, cuda::check_threads(p.rows), 0, stream>>>(
+      p.lengths, p.n, p.kv_start, p.out, p.rows);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// ------------------------------------------------------------- select_rows_
+//
+// Row b takes row index[b]'s filled slots and length. A row can be the
+// source of other rows and be overwritten itself, so the moved rows' slots
+// are first gathered into a scratch buffer, then scattered: three kinds of
+// launch, in stream order.
+//  1. plan (one block): checks every index (in [0, batch)) and every length
+//     (in [0, max_len]); writes plan[b] = the length row b will have
+//     (lengths[index[b]]), or -1 for every row if anything is bad, and the
+//     op's new lengths (per-row: plan; 0-D: unchanged) or -1.
+//  2. gather: for each row b with index[b] != b, slots [t0, t0 + chunk) of
+//     its source row (those below plan[b]) -> scratch.
+//  3. scatter: scratch -> row b.
+// The scratch holds `chunk` slots of every (buffer, row, head), sized from
+// the buffers' shapes (never from device values); when the buffers are
+// larger than kScratchBytes, the slots go through it in several rounds
+// (slot t of a row only ever moves to slot t, so rounds are independent),
+// never more than kMaxRounds.
+
+constexpr int64_t kScratchBytes = int64_t{512} << 20;
+constexpr int64_t kMaxRounds = 16;
+
+__global__ void select_plan_kernel(const IntRows lengths, const IntRows index,
+                                   const IntRows out, int64_t batch,
+                                   int64_t max_len, int64_t* plan) {
+  int bad = 0;
+  for (int64_t b = threadIdx.x; b < lengths.numel; b += blockDim.x) {
+    const int64_t len = detail::read_row(lengths, b);
+    bad |= (len < 0) | (len > max_len);
+  }
+  for (int64_t b = threadIdx.x; b < batch; b += blockDim.x) {
+    const int64_t src = detail::read_row(index, b);
+    bad |= (src < 0) | (src >= batch);
+  }
+  bad = __syncthreads_or(bad);
+  for (int64_t b = threadIdx.x; b < batch; b += blockDim.x) {
+    plan[b] = bad ? detail::kPoisonLength
+                  : detail::read_row(lengths, detail::read_row(index, b));
+  }
+  // out has lengths' shape: per row, the plan; 0-D, the shared length.
+  const bool per_row = out.stride != 0 || out.numel > 1;
+  for (int64_t b = threadIdx.x; b < out.numel; b += blockDim.x) {
+    detail::write_row(out, b,
+                      bad ? detail::kPoisonLength
+                      : per_row ? detail::read_row(lengths, detail::read_row(index, b))
+                                : detail::read_row(lengths, 0));
+  }
+}
+
+struct MoveArgs {
+  CopyPlan pair[2];  // keys, values: gather (buffer -> scratch) or scatter
+  unsigned slabs;    // batch * heads
+  unsigned heads;
+  IntRows index;
+  const int64_t* plan;
+  int64_t t0;      // first slot of this round
+  int64_t chunk;   // slots per round
+  bool gather;     // true: read row index[b] of the buffer; false: write row b
+};
+
+__global__ void select_move_kernel(const MoveArgs a) {
+  const unsigned slab = blockIdx.x;
+  const unsigned which = slab >= a.slabs ? 1u : 0u;
+  const unsigned bh = slab - which * a.slabs;
+  const unsigned b = bh / a.heads;
+  const unsigned h = bh - b * a.heads;
+  const int64_t len = a.plan[b];  // -1 if anything was bad
+  if (len <= a.t0) return;
+  const int64_t src = detail::read_row(a.index, b);  // checked by the plan
+  if (src == static_cast<int64_t>(b)) return;  // stays in place
+  int64_t rows = len - a.t0;
+  if (rows > a.chunk) rows = a.chunk;
+  const CopyPlan p = which ? a.pair[1] : a.pair[0];
+  // Gather: buffer (row src, slots t0..) -> scratch (row b, slots 0..);
+  // scatter: scratch (row b) -> buffer (row b, slots t0..).
+  const int64_t buf_row = a.gather ? src : static_cast<int64_t>(b);
+  char* dst;
+  const char* from;
+  if (a.gather) {
+    dst = p.dst.data + b * p.dst.stride[0] + h * p.dst.stride[1];
+    from = p.src.data + buf_row * p.src.stride[0] + h * p.src.stride[1] +
+           a.t0 * p.src.stride[2];
+  } else {
+    dst = p.dst.data + buf_row * p.dst.stride[0] + h * p.dst.stride[1] +
+          a.t0 * p.dst.stride[2];
+    from = p.src.data + b * p.src.stride[0] + h * p.src.stride[1];
+  }
+  cuda::copy_rows_planned(p, dst, from, rows);
+}
+
+void select_rows_cuda(const SelectRowsParams& p) {
+  if (p.batch <= 0) return;
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(p.device_index));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(p.device_index));
+
+  const int64_t slabs = p.batch * p.heads;
+  const int64_t row_bytes = p.head_dim * p.elem;
+  const bool move = slabs > 0 && row_bytes > 0 && p.max_len > 0;
+  // Rounds of `chunk` slots through a scratch of about kScratchBytes.
+  int64_t chunk = 0;
+  int64_t rounds = 0;
+  if (move) {
+    TORCH_CHECK_VALUE(2 * slabs <= std::numeric_limits<int32_t>::max(),
+                      "kvcache: batch * num_kv_heads = ", slabs,
+                      " is too large for one CUDA launch (at most 2^30 - 1)");
+    const int64_t per_slot = 2 * slabs * row_bytes;  // no overflow: < buffers' bytes
+    chunk = kScratchBytes / per_slot;
+    // At most kMaxRounds rounds (launch count), even if the scratch must
+    // then exceed kScratchBytes (a 1/kMaxRounds share of the buffers).
+    const int64_t fewest = (p.max_len + kMaxRounds - 1) / kMaxRounds;
+    if (chunk < fewest) chunk = fewest;
+    if (chunk < 1) chunk = 1;
+    if (chunk > p.max_len) chunk = p.max_len;
+    rounds = (p.max_len + chunk - 1) / chunk;
+  }
+  // One allocation: plan (int64 per row), then the slots (16-byte aligned).
+  const int64_t plan_bytes = ((p.batch * 8 + 255) / 256) * 256;
+  const int64_t data_bytes = move ? 2 * slabs * chunk * row_bytes : 0;
+  at::Tensor scratch = at::empty({plan_bytes + data_bytes},
+                                 at::TensorOptions().dtype(at::kByte).device(device));
+  auto* plan = reinterpret_cast<int64_t*>(scratch.data_ptr<uint8_t>());
+  char* slots = reinterpret_cast<char*>(scratch.data_ptr<uint8_t>()) + plan_bytes;
+
+  const int64_t n = p.batch > p.lengths.numel ? p.batch : p.lengths.numel;
+  select_plan_kernel<<<1, cuda::check_threads(n), 0, stream>>>(
+      p.lengths, p.index, p.out, p.batch, p.max_len, plan);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (!move) return;
+
+  // Scratch: dense (buffer, row, head, slot, element).
+  const int64_t scr_stride[4] = {p.heads * chunk * row_bytes, chunk * row_bytes,
+                                 row_bytes, p.elem};
+  const int64_t scr_size[4] = {p.batch, p.heads, chunk, p.head_dim};
+  const int64_t buf_size[4] = {p.batch, p.heads, p.max_len, p.head_dim};
+  MoveArgs gather, scatter;
+  for (int w = 0; w < 2; ++w) {
+    char* scr = slots + w * p.batch * scr_stride[0];
+    gather.pair[w] = cuda::plan_copy(scr, scr_stride, scr_size, p.buf[w].data,
+                                     p.buf[w].stride, buf_size, p.head_dim,
+                                     p.elem);
+    scatter.pair[w] = cuda::plan_copy(p.buf[w].data, p.buf[w].stride, buf_size,
+                                      scr, scr_stride, scr_size, p.head_dim,
+                                      p.elem);
+  }
+  for (MoveArgs* m : {&gather, &scatter}) {
+    m->slabs = static_cast<unsigned>(slabs);
+    m->heads = static_cast<unsigned>(p.heads);
+    m->index = p.index;
+    m->plan = plan;
+    m->chunk = chunk;
+  }
+  gather.gather = true;
+  scatter.gather = false;
+  const int64_t units = gather.pair[0].units > gather.pair[1].units
+                            ? gather.pair[0].units
+                            : gather.pair[1].units;
+  const cuda::CopyBlock block = cuda::copy_block_shape(units, chunk);
+  const dim3 grid(static_cast<unsigned>(2 * slabs), cuda::copy_grid_y(chunk, block));
+  for (int64_t r = 0; r < rounds; ++r) {
+    gather.t0 = scatter.t0 = r * chunk;
+    select_move_kernel<<<grid, dim3(block.x, block.y), 0, stream>>>(gather);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    select_move_kernel<<<grid, dim3(block.x, block.y), 0, stream>>>(scatter);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+}  // namespace
+}  // namespace kvcache
+
+KVCACHE_REGISTER_KERNEL(rollback_stub, cuda, &kvcache::rollback_cuda);
+KVCACHE_REGISTER_KERNEL(select_rows_stub, cuda, &kvcache::select_rows_cuda);
