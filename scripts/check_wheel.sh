@@ -32,7 +32,8 @@ mkdir -p "$OUT"
 
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
-python -c "import build" 2>/dev/null || $PIP build
+# (cd /: the tree's build/ folder would pass for the package)
+(cd / && python -c "import build.__main__") 2>/dev/null || $PIP build
 
 echo "== sdist, then a wheel from it (python -m build --no-isolation)"
 start=$(date +%s)

@@ -31,10 +31,11 @@ fi
 . "$VENV/bin/activate"
 echo "== installing $TORCH_SPEC and the build/test requirements"
 # torch is pinned so pip never resolves (and downloads) another release.
-# Build: setuptools >= 77 and ninja (optional: parallel compiles); the rest is
-# for the tests, demo and benchmarks.
+# Build: setuptools >= 77, ninja (optional: parallel compiles) and build
+# (python -m build, for scripts/check_wheel.sh); the rest is for the tests,
+# demo and benchmarks.
 pip install -q --disable-pip-version-check "$TORCH_SPEC" "setuptools>=77" ninja \
-  numpy pytest expecttest tqdm matplotlib 2>&1 | grep -v "^WARNING: Location" || true
+  build numpy pytest expecttest tqdm matplotlib 2>&1 | grep -v "^WARNING: Location" || true
 python -c "import torch" >/dev/null  # fail here, clearly, if torch did not install
 
 # pip rebuilds every extension from scratch: skip it when the installed
