@@ -47,7 +47,10 @@ def find_or_build_runner() -> str:
         if not home or not os.path.exists(os.path.join(home, "bin", "nvcc")):
             pytest.skip(f"torch {torch.__version__} has CUDA: building kvcache_run against it needs "
                         "the CUDA toolkit (nvcc; set CUDA_HOME), which is not installed")
-        args = [f"-DCUDAToolkit_ROOT={home}", f"-DCMAKE_CUDA_COMPILER={home}/bin/nvcc", "-DKVCACHE_CUDA=OFF"]
+        # CUDAToolkit_ROOT for FindCUDAToolkit, CUDA_TOOLKIT_ROOT_DIR for the FindCUDA that
+        # torch's cuda.cmake still uses (else it takes /usr/local/bin/nvcc's folder).
+        args = [f"-DCUDAToolkit_ROOT={home}", f"-DCUDA_TOOLKIT_ROOT_DIR={home}",
+                f"-DCMAKE_CUDA_COMPILER={home}/bin/nvcc", "-DKVCACHE_CUDA=OFF"]
         try:
             import nvidia
 
