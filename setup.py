@@ -1,48 +1,107 @@
-"""Builds kvcache: the op library (libkvcache.so) and a small pybind11 module.
+"""Builds kvcache: the op library (libkvcache.so) and the pybind11 module _C.
 
 The op library is plain C++ (no Python symbols), so LibTorch programs can link
 it too. CUDA kernels are compiled when nvcc and a CUDA-enabled torch are both
-present; a GPU is not needed. Environment overrides:
+present; a GPU is not needed.
+
+Build prerequisites (checked up front, below): torch (the one the wheel will
+run with), setuptools >= 77 and a C++20 compiler (g++ >= 10); nvcc for the
+CUDA kernels; ninja is optional (parallel compiles). The pybind11 package is
+not needed: _C uses the pybind11 headers bundled with torch.
+
+Build with ``pip install --no-build-isolation .`` (or ``python -m build
+--no-isolation``) so it compiles against the installed torch: an isolated
+build cannot see it.
+
+The build settings (version, flags, CUDA architectures) live in
+cmake/build_settings.json, which CMakeLists.txt reads too. Environment
+overrides:
 
   KVCACHE_CUDA=1|0|auto   force the CUDA build on or off (default: auto)
-  TORCH_CUDA_ARCH_LIST    CUDA architectures (default: "8.0;9.0")
+  TORCH_CUDA_ARCH_LIST    CUDA architectures (default: build_settings.json)
+  KVCACHE_DEBUG=1         keep debug info (release builds strip it)
   MAX_JOBS                parallel compile jobs (ninja)
 
-Build with ``pip install --no-build-isolation .`` so it compiles against the
-torch already installed, not a freshly downloaded one.
+The built wheel requires the torch major.minor it was compiled against and
+has a local version naming its backend (0.1.0+cpu, 0.1.0+cu130); the package
+refuses, at import, a torch of another major.minor (_build_info.py, written
+here at build time).
 """
 
+import functools
 import glob
+import json
 import os
+import re
 import shutil
-
-from setuptools import find_packages, setup
-
-try:
-    import torch
-    from torch.utils import cpp_extension
-except ImportError as exc:  # pragma: no cover - build-time guard
-    raise RuntimeError(
-        "kvcache compiles against the installed torch: install torch first, "
-        "then run `pip install --no-build-isolation .`"
-    ) from exc
-
-import pybind11
+import subprocess
+import sys
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-CSRC = os.path.join("csrc")
+CSRC = "csrc"
 LIB_NAME = "kvcache.libkvcache"
-DEFAULT_ARCHS = "8.0;9.0"
 
+with open(os.path.join(ROOT, "cmake", "build_settings.json"), encoding="utf-8") as _f:
+    SETTINGS = json.load(_f)
+
+# An sdist is only the sources: it needs neither torch nor a compiler.
+SDIST_ONLY = "sdist" in sys.argv[1:]
+
+
+def _fail(message: str):
+    # SystemExit prints the message alone, without a traceback to read past.
+    raise SystemExit(f"\nkvcache build: {message}\n")
+
+
+def _version_tuple(text: str):
+    return tuple(int(p) for p in re.findall(r"\d+", text)[:2])
+
+
+# ---- Prerequisites -------------------------------------------------------
+
+import setuptools  # noqa: E402
+
+if _version_tuple(setuptools.__version__) < (77, 0):
+    # pyproject.toml's SPDX license string (license = "Apache-2.0") needs it.
+    _fail(
+        f"setuptools >= 77 is needed, found {setuptools.__version__}: "
+        "run `pip install 'setuptools>=77'`, then build again."
+    )
+
+from setuptools import find_packages, setup  # noqa: E402
+
+if not SDIST_ONLY:
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:
+        _isolated = any("pip-build-env" in p or "build-env-" in p for p in sys.path + [sys.prefix])
+        _fail(
+            "torch is not importable by this build.\n"
+            + ("  This is an isolated build (pip's default, and `python -m build`'s): it runs in a\n"
+               "  temporary environment that cannot see the torch you installed.\n" if _isolated else "")
+            + "  kvcache compiles against the installed torch: install it first (for example\n"
+            "  `pip install torch==2.13.0`), then build without isolation:\n"
+            "    pip install --no-build-isolation .        (or -e . for development)\n"
+            "    python -m build --no-isolation            (sdist and wheel)"
+        )
+    _cxx = os.environ.get("CXX", "c++").split()[0]
+    if shutil.which(_cxx) is None:
+        _fail(f"no C++ compiler ({_cxx!r} not found): install a C++20 compiler, "
+              "e.g. `apt-get install g++` (g++ >= 10), or set CXX.")
+    if not cpp_extension.is_ninja_available():
+        print("kvcache build: ninja not found; compiling serially with the slower setuptools "
+              "backend. `pip install ninja` for parallel builds (optional).", file=sys.stderr)
+
+
+# ---- Settings (cmake/build_settings.json) ---------------------------------
 
 def _want_cuda() -> bool:
     mode = os.environ.get("KVCACHE_CUDA", "auto").strip().lower()
-    available = torch.version.cuda is not None and (
-        cpp_extension.CUDA_HOME is not None or shutil.which("nvcc") is not None
-    )
+    available = torch.version.cuda is not None and _nvcc() is not None
     if mode in ("1", "on", "true", "yes"):
         if not available:
-            raise RuntimeError(
+            _fail(
                 "KVCACHE_CUDA=1 but the CUDA build needs nvcc and a CUDA-enabled "
                 f"torch (torch.version.cuda={torch.version.cuda!r}, "
                 f"CUDA_HOME={cpp_extension.CUDA_HOME!r})"
@@ -51,40 +110,76 @@ def _want_cuda() -> bool:
     if mode in ("0", "off", "false", "no"):
         return False
     if mode != "auto":
-        raise RuntimeError(f"KVCACHE_CUDA must be 1, 0 or auto, got {mode!r}")
+        _fail(f"KVCACHE_CUDA must be 1, 0 or auto, got {mode!r}")
     return available
 
 
+def _nvcc():
+    if cpp_extension.CUDA_HOME:
+        path = os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc")
+        if os.path.exists(path):
+            return path
+    return shutil.which("nvcc")
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_toolkit_version() -> str:
+    """The CUDA toolkit nvcc belongs to, e.g. "13.0"."""
+    out = subprocess.run([_nvcc(), "--version"], capture_output=True, text=True, check=True).stdout
+    match = re.search(r"release (\d+)\.(\d+)", out)
+    if not match:
+        _fail(f"cannot read the CUDA version from `{_nvcc()} --version`:\n{out}")
+    return f"{match.group(1)}.{match.group(2)}"
+
+
+DEBUG = os.environ.get("KVCACHE_DEBUG", "0").strip().lower() in ("1", "on", "true", "yes")
+
+
+def _cxx_flags():
+    flags = [f"-std=c++{SETTINGS['cxx_standard']}", f"-fvisibility={SETTINGS['visibility']}"]
+    # Python's CFLAGS carry -g (8 MB libraries instead of ~1 MB); a later -g0 wins.
+    flags += ["-g", "-O0"] if DEBUG else [*SETTINGS["release_flags"], "-g0"]
+    return flags
+
+
+def _link_flags():
+    return [] if DEBUG else ["-Wl,--strip-debug"]
+
+
+def _glob(patterns):
+    # Relative to the repository, as setuptools wants its sources.
+    return [f for pattern in patterns for f in sorted(glob.glob(pattern, root_dir=ROOT))]
+
+
 def _op_library(with_cuda: bool):
-    sources = sorted(glob.glob(os.path.join(CSRC, "*.cpp")))
-    for sub in ("core", "ops", "cpu"):
-        sources += sorted(glob.glob(os.path.join(CSRC, sub, "*.cpp")))
-    # No -std flag: torch.utils.cpp_extension picks the standard its headers
-    # need (C++20 for torch >= 2.13).
-    # -fopenmp: at::parallel_for is inline in ATen's headers and runs
-    # serially unless the including code is compiled with OpenMP. The
-    # runtime is torch's own libgomp.so.1 (same soname, already loaded).
-    cxx = ["-O3", "-fvisibility=hidden", "-fopenmp"]
+    sources = _glob(SETTINGS["sources"])
+    cxx = _cxx_flags()
+    link = ["-Wl,-soname,libkvcache.so", *_link_flags()]
+    if SETTINGS["openmp"]:
+        # The runtime is torch's own libgomp.so.1 (same soname, already loaded).
+        cxx.append("-fopenmp")
+        link.append("-fopenmp")
     macros = []
     # The op library has no Python in it: C++ programs can link it.
     kwargs = dict(
         include_dirs=[os.path.join(ROOT, CSRC), os.path.join(ROOT, CSRC, "include")],
-        extra_link_args=["-Wl,-soname,libkvcache.so", "-fopenmp"],
+        extra_link_args=link,
     )
     if with_cuda:
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS)
-        sources += sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cu")))
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", SETTINGS["cuda_arch_list"])
+        sources += _glob(SETTINGS["cuda_sources"])
         macros += [
             ("KVCACHE_WITH_CUDA", None),
-            ("KVCACHE_CUDA_VERSION", f'"{torch.version.cuda}"'),
+            # Being replaced by compiler facts in csrc/build_info.cpp; harmless until then.
+            ("KVCACHE_CUDA_VERSION", f'"{_cuda_toolkit_version()}"'),
             ("KVCACHE_CUDA_ARCHS", f'"{os.environ["TORCH_CUDA_ARCH_LIST"]}"'),
         ]
+        nvcc = [f"-std=c++{SETTINGS['cxx_standard']}",
+                f"-Xcompiler=-fvisibility={SETTINGS['visibility']}",
+                *(["-g"] if DEBUG else SETTINGS["release_flags"])]
         ext = cpp_extension.CUDAExtension(
-            LIB_NAME,
-            sources,
-            define_macros=macros,
-            extra_compile_args={"cxx": cxx, "nvcc": ["-O3"]},
-            **kwargs,
+            LIB_NAME, sources, define_macros=macros,
+            extra_compile_args={"cxx": cxx, "nvcc": nvcc}, **kwargs,
         )
     else:
         ext = cpp_extension.CppExtension(
@@ -104,45 +199,126 @@ def _python_module():
         include_dirs=[os.path.join(ROOT, CSRC), os.path.join(ROOT, CSRC, "include")],
         libraries=["kvcache"],
         runtime_library_dirs=["$ORIGIN"],
-        extra_compile_args={"cxx": ["-O2", "-fvisibility=hidden"]},
+        extra_compile_args={"cxx": _cxx_flags()},
+        extra_link_args=_link_flags(),
     )
 
 
-class BuildExtension(cpp_extension.BuildExtension):
-    """Names the op library libkvcache.so, lets _C link against it, and puts
-    the C++ headers beside it (kvcache/include) for LibTorch users."""
+# ---- Version and dependencies ----------------------------------------------
 
-    def run(self):
-        super().run()
-        for header in glob.glob(os.path.join(CSRC, "include", "kvcache", "*.h")):
-            dest_dir = os.path.join(
-                os.path.dirname(self.get_ext_fullpath(LIB_NAME)), "include", "kvcache"
-            )
-            os.makedirs(dest_dir, exist_ok=True)
-            self.copy_file(header, dest_dir)
-
-    def get_ext_filename(self, fullname):
-        parts = fullname.split(".")
-        if parts[-1] == LIB_NAME.rsplit(".", 1)[-1]:
-            return os.path.join(*parts[:-1], "libkvcache.so")
-        return super().get_ext_filename(fullname)
-
-    def build_extension(self, ext):
-        os.makedirs(os.path.dirname(self.get_ext_fullpath(ext.name)), exist_ok=True)
-        if ext.name == "kvcache._C":
-            lib_dir = os.path.dirname(self.get_ext_fullpath(LIB_NAME))
-            ext.library_dirs = [lib_dir] + list(ext.library_dirs)
-        super().build_extension(ext)
+def _local_version(with_cuda: bool) -> str:
+    if not with_cuda:
+        return "cpu"
+    return "cu" + _cuda_toolkit_version().replace(".", "")
 
 
-WITH_CUDA = _want_cuda()
-print(f"kvcache: building with CUDA={WITH_CUDA} (torch {torch.__version__}, "
-      f"torch CUDA {torch.version.cuda})")
+def _torch_requirement() -> str:
+    major, minor = _version_tuple(torch.__version__)
+    return f"torch>={major}.{minor},<{major}.{minor + 1}"
 
-setup(
-    packages=find_packages("python"),
-    package_dir={"": "python"},
-    ext_modules=[_op_library(WITH_CUDA), _python_module()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-    zip_safe=False,
-)
+
+_BUILD_INFO = '''\
+"""How this copy of kvcache was built (generated by setup.py; not in git).
+
+Read at import, before libkvcache.so is loaded, so that a torch of another
+major.minor is refused with a clear message instead of a symbol error.
+"""
+
+VERSION = {version!r}
+TORCH_VERSION = {torch_version!r}  # the torch it was compiled against
+TORCH_CUDA_VERSION = {torch_cuda!r}  # torch.version.cuda of that torch
+WITH_CUDA = {with_cuda!r}  # CUDA kernels compiled in
+CUDA_TOOLKIT = {cuda_toolkit!r}  # nvcc's CUDA version (None without CUDA)
+'''
+
+_CONFIG_VERSION = """\
+# Generated by setup.py: find_package(kvcache <version>) accepts this build
+# when the requested version has the same major and is not newer.
+set(PACKAGE_VERSION "{version}")
+if(PACKAGE_FIND_VERSION_MAJOR STREQUAL "" OR
+   (PACKAGE_FIND_VERSION_MAJOR EQUAL {major} AND
+    NOT PACKAGE_FIND_VERSION VERSION_GREATER PACKAGE_VERSION))
+  set(PACKAGE_VERSION_COMPATIBLE TRUE)
+  if(PACKAGE_FIND_VERSION VERSION_EQUAL PACKAGE_VERSION)
+    set(PACKAGE_VERSION_EXACT TRUE)
+  endif()
+else()
+  set(PACKAGE_VERSION_COMPATIBLE FALSE)
+endif()
+"""
+
+
+if not SDIST_ONLY:
+    class BuildExtension(cpp_extension.BuildExtension):
+        """Names the op library libkvcache.so, lets _C link against it, and puts
+        beside it what an installed package needs: _build_info.py, the C++
+        headers (kvcache/include) and the CMake package config
+        (kvcache/share/cmake/kvcache)."""
+
+        def run(self):
+            super().run()
+            pkg = os.path.dirname(self.get_ext_fullpath(LIB_NAME))
+            self._write(os.path.join(pkg, "_build_info.py"), _BUILD_INFO.format(
+                version=VERSION, torch_version=torch.__version__, torch_cuda=torch.version.cuda,
+                with_cuda=WITH_CUDA, cuda_toolkit=_cuda_toolkit_version() if WITH_CUDA else None,
+            ))
+            include = os.path.join(pkg, "include", "kvcache")
+            os.makedirs(include, exist_ok=True)
+            for header in glob.glob(os.path.join(CSRC, "include", "kvcache", "*.h")):
+                self.copy_file(header, include)
+            cmake_dir = os.path.join(pkg, "share", "cmake", "kvcache")
+            os.makedirs(cmake_dir, exist_ok=True)
+            for name in ("kvcacheConfig.cmake", "kvcache_link_ops.cmake", "build_settings.json"):
+                self.copy_file(os.path.join("cmake", name), cmake_dir)
+            self._write(os.path.join(cmake_dir, "kvcacheConfigVersion.cmake"), _CONFIG_VERSION.format(
+                version=SETTINGS["version"], major=SETTINGS["version"].split(".")[0]))
+
+        @staticmethod
+        def _write(path, text):
+            old = None
+            if os.path.exists(path):
+                with open(path, encoding="utf-8") as f:
+                    old = f.read()
+            if old != text:  # keep the mtime (and the editable build's freshness check) when unchanged
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write(text)
+
+        def get_ext_filename(self, fullname):
+            parts = fullname.split(".")
+            if parts[-1] == LIB_NAME.rsplit(".", 1)[-1]:
+                return os.path.join(*parts[:-1], "libkvcache.so")
+            return super().get_ext_filename(fullname)
+
+        def build_extension(self, ext):
+            os.makedirs(os.path.dirname(self.get_ext_fullpath(ext.name)), exist_ok=True)
+            if ext.name == "kvcache._C":
+                lib_dir = os.path.dirname(self.get_ext_fullpath(LIB_NAME))
+                ext.library_dirs = [lib_dir] + list(ext.library_dirs)
+            super().build_extension(ext)
+
+
+if SDIST_ONLY:
+    # The sources only (MANIFEST.in): no backend, no torch pin. A wheel built
+    # from it requires the torch it is compiled against.
+    VERSION = SETTINGS["version"]
+    setup(
+        version=VERSION,
+        install_requires=["torch>=2.13"],
+        packages=find_packages("python"),
+        package_dir={"": "python"},
+        zip_safe=False,
+    )
+else:
+    WITH_CUDA = _want_cuda()
+    VERSION = f"{SETTINGS['version']}+{_local_version(WITH_CUDA)}"
+    print(f"kvcache {VERSION}: building with CUDA={WITH_CUDA} (torch {torch.__version__}, "
+          f"torch CUDA {torch.version.cuda}), requires {_torch_requirement()}")
+    setup(
+        version=VERSION,
+        install_requires=[_torch_requirement()],
+        packages=find_packages("python"),
+        package_dir={"": "python"},
+        ext_modules=[_op_library(WITH_CUDA), _python_module()],
+        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+        zip_safe=False,
+    )

@@ -31,18 +31,21 @@ fi
 . "$VENV/bin/activate"
 echo "== installing $TORCH_SPEC and the build/test requirements"
 # torch is pinned so pip never resolves (and downloads) another release.
-pip install -q --disable-pip-version-check "$TORCH_SPEC" numpy "setuptools>=69" wheel \
-  "pybind11>=2.12" ninja pytest expecttest tqdm matplotlib 2>&1 | grep -v "^WARNING: Location" || true
+# Build: setuptools >= 77, ninja (optional: parallel compiles) and build
+# (python -m build, for scripts/check_wheel.sh); the rest is for the tests,
+# demo and benchmarks.
+pip install -q --disable-pip-version-check "$TORCH_SPEC" "setuptools>=77" ninja \
+  build numpy pytest expecttest tqdm matplotlib 2>&1 | grep -v "^WARNING: Location" || true
 python -c "import torch" >/dev/null  # fail here, clearly, if torch did not install
 
 # pip rebuilds every extension from scratch: skip it when the installed
 # editable build is newer than every C++ source and the build scripts.
 if python - <<'PY' 2>/dev/null; then
 import glob, os, sys
-import kvcache
+import kvcache  # fails (rebuild) if built for another torch
 lib = os.path.getmtime(kvcache.library_path())
 inputs = [f for f in glob.glob("csrc/**/*", recursive=True) if os.path.isfile(f)]
-inputs += ["setup.py", "pyproject.toml"]
+inputs += glob.glob("cmake/*") + ["setup.py", "pyproject.toml"]
 sys.exit(0 if all(os.path.getmtime(f) <= lib for f in inputs) else 1)
 PY
   echo "== kvcache is built and up to date"
@@ -53,4 +56,4 @@ else
     2>&1 | grep -v "^WARNING: Location" || true
   echo "== build took $(( $(date +%s) - start ))s"
 fi
-python -c "import kvcache; print('kvcache:', kvcache.build_info())"
+python -c "import kvcache; print('kvcache', kvcache.__version__, kvcache.build_info())"

@@ -8,7 +8,7 @@ import torch  # noqa: F401  (loads libtorch before the op library)
 
 from . import _library
 
-_library.load()
+_library.load()  # refuses (ImportError) a torch other than the build's major.minor
 
 from . import _fake  # noqa: E402,F401  (registers the fake kernels)
 from ._library import include_path, library_path  # noqa: E402
@@ -55,4 +55,6 @@ __all__ = [
     "select_kv_layer_cache_rows",
     "update_kv_layer_cache",
 ]
-__version__ = "0.1.0"
+# The build's version with its backend (0.1.0+cpu, 0.1.0+cu130), recorded
+# by setup.py; the base version lives in cmake/build_settings.json.
+__version__ = _library.version()

@@ -24,19 +24,62 @@ def script(module):
 
 
 def find_or_build_runner() -> str:
-    """KVCACHE_RUNNER, or build/cmake/kvcache_run, built with CMake when missing."""
-    path = os.environ.get("KVCACHE_RUNNER") or os.path.join(ROOT, "build", "cmake", "kvcache_run")
+    """KVCACHE_RUNNER (scripts/test.sh sets it), or kvcache_run built with CMake
+    against the running torch in build/runner-<torch version>/ when missing.
+
+    Fails showing cmake's output when the build fails; skips when cmake (or,
+    for a CUDA torch, the CUDA toolkit its CMake config needs) is missing.
+    """
+    import glob
+
+    def cuda_args():
+        # TorchConfig.cmake of a CUDA torch requires the CUDA toolkit ("Your
+        # installed Caffe2 version uses CUDA but I cannot find the CUDA
+        # libraries") and links nvrtc, which ships in the nvidia-* wheels, not
+        # in the toolkit: found as scripts/check_cuda_build.sh does. The runner
+        # gets no CUDA kernels (it runs on CPU here, and builds faster).
+        home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+        if not home:
+            if os.path.exists("/usr/local/cuda/bin/nvcc"):
+                home = "/usr/local/cuda"  # /usr/local/bin/nvcc may be a wrapper script
+            elif shutil.which("nvcc"):
+                home = os.path.dirname(os.path.dirname(os.path.realpath(shutil.which("nvcc"))))
+        if not home or not os.path.exists(os.path.join(home, "bin", "nvcc")):
+            pytest.skip(f"torch {torch.__version__} has CUDA: building kvcache_run against it needs "
+                        "the CUDA toolkit (nvcc; set CUDA_HOME), which is not installed")
+        # CUDAToolkit_ROOT for FindCUDAToolkit, CUDA_TOOLKIT_ROOT_DIR for the FindCUDA that
+        # torch's cuda.cmake still uses (else it takes /usr/local/bin/nvcc's folder).
+        args = [f"-DCUDAToolkit_ROOT={home}", f"-DCUDA_TOOLKIT_ROOT_DIR={home}",
+                f"-DCMAKE_CUDA_COMPILER={home}/bin/nvcc", "-DKVCACHE_CUDA=OFF"]
+        try:
+            import nvidia
+
+            nvrtc = sorted(glob.glob(os.path.join(list(nvidia.__path__)[0], "**", "libnvrtc.so*"), recursive=True))
+        except ImportError:
+            nvrtc = []
+        return args + [f"-DCUDA_nvrtc_LIBRARY={nvrtc[0]}"] if nvrtc else args
+
+    def run(args, what):
+        proc = subprocess.run(args, capture_output=True, text=True)
+        if proc.returncode != 0:  # show why: cmake's own error is on stderr
+            pytest.fail(f"{what} failed ({' '.join(args)}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+
+    if os.environ.get("KVCACHE_RUNNER"):
+        return os.environ["KVCACHE_RUNNER"]
+    # One folder per torch: a runner linked against another torch must not be reused.
+    build = os.path.join(ROOT, "build", f"runner-{torch.__version__}")
+    path = os.path.join(build, "kvcache_run")
     if os.path.exists(path):
         return path
     if shutil.which("cmake") is None:
         pytest.skip("cmake is not installed: cannot build kvcache_run")
-    build = os.path.join(ROOT, "build", "cmake")
-    subprocess.run(
-        ["cmake", "-S", ROOT, "-B", build, f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"],
-        check=True, capture_output=True,
-    )
-    subprocess.run(["cmake", "--build", build, "--target", "kvcache_run", "-j", str(os.cpu_count() or 1)],
-                   check=True, capture_output=True)
+    args = ["cmake", "-S", ROOT, "-B", build, f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
+            "-DKVCACHE_BUILD_TESTS=OFF"]
+    if torch.version.cuda is not None:
+        args += cuda_args()
+    run(args, "configuring kvcache_run")
+    run(["cmake", "--build", build, "--target", "kvcache_run", "-j", str(os.cpu_count() or 1)],
+        "building kvcache_run")
     return path
 
 
