@@ -168,12 +168,6 @@ def _op_library(with_cuda: bool):
     if with_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", SETTINGS["cuda_arch_list"])
         sources += _glob(SETTINGS["cuda_sources"])
-        macros += [
-            ("KVCACHE_WITH_CUDA", None),
-            # Being replaced by compiler facts in csrc/build_info.cpp; harmless until then.
-            ("KVCACHE_CUDA_VERSION", f'"{_cuda_toolkit_version()}"'),
-            ("KVCACHE_CUDA_ARCHS", f'"{os.environ["TORCH_CUDA_ARCH_LIST"]}"'),
-        ]
         nvcc = [f"-std=c++{SETTINGS['cxx_standard']}",
                 f"-Xcompiler=-fvisibility={SETTINGS['visibility']}",
                 *(["-g"] if DEBUG else SETTINGS["release_flags"])]

@@ -16,9 +16,9 @@ cd "$(dirname "$0")/.."
 
 VENV=${KVCACHE_CUDA_VENV:-.venv-cuda}
 OUT=build/cuda
-# The project's default (setup.py / CMakeLists.txt): Ampere and Hopper
-# machine code, plus Hopper PTX for newer GPUs.
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-"8.0;9.0+PTX"}
+# Unset: both builds take the default from cmake/build_settings.json (Ampere
+# and Hopper machine code, plus Hopper PTX for newer GPUs).
+archs=${TORCH_CUDA_ARCH_LIST:-$(python3 -c 'import json; print(json.load(open("cmake/build_settings.json"))["cuda_arch_list"])')}
 if ! command -v nvcc >/dev/null; then
   for d in /usr/local/cuda/bin /usr/local/cuda-*/bin; do
     [ -x "$d/nvcc" ] && export PATH="$d:$PATH" && break
@@ -40,10 +40,10 @@ fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 # cmake from PyPI: Debian's 3.25 does not know nvcc 13's C++20 flags.
-pip install -q --disable-pip-version-check torch==2.14.1 numpy "setuptools>=69" wheel \
-  "pybind11>=2.12" ninja "cmake>=3.30" 2>&1 | grep -v "^WARNING: Location" || true
+pip install -q --disable-pip-version-check torch==2.14.1 numpy "setuptools>=77" \
+  ninja "cmake>=3.30" 2>&1 | grep -v "^WARNING: Location" || true
 echo "== CUDA torch ready in $(( $(date +%s) - start ))s: $(python -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)')"
-echo "== TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, nvcc $nvcc_version"
+echo "== CUDA architectures $archs, nvcc $nvcc_version"
 
 mkdir -p "$OUT"
 # The copy planner and copy loop of the CUDA kernels, run on the host (no GPU)
