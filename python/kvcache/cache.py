@@ -449,7 +449,10 @@ def _raise_out_of_range_start(start: int, keys_new, keys) -> None:
         raise ValueError(f"start must be >= 0, got {start}")
     chunk = keys_new.shape[2] if isinstance(keys_new, torch.Tensor) and keys_new.dim() == 4 else 0
     max_len = keys.shape[2] if isinstance(keys, torch.Tensor) and keys.dim() == 4 else 0
-    raise ValueError(f"KV cache overflow: end={start + chunk} exceeds max_len={max_len}")
+    # The op's overflow message, naming the argument that does not fit.
+    raise ValueError(
+        f"KV cache overflow: end={start + chunk} exceeds max_len={max_len} (start={start} does not fit in int64)"
+    )
 
 
 def _as_int(name: str, value) -> int:

@@ -225,6 +225,16 @@ def test_exported_program_overflowing_start():
     assert torch.equal(m.keys[:, :, 3], kn[:, :, 0]) and torch.equal(m.keys[:, :, 0], kn[:, :, 0])
 
 
+@pytest.mark.parametrize("start", [2**63, 2**64 + 3, 10**30])
+def test_python_int_start_beyond_int64(start):
+    g = Guarded()
+    kn, vn = new_kv(1)
+    raises_nothing_written(g, ValueError, rf"^KV cache overflow: end={start + 1} exceeds max_len={T} \(start={start} does not fit in int64\)$",
+                           lambda: kvcache.update_kv_layer_cache(g.cache, kn, vn, start))
+    raises_nothing_written(g, ValueError, rf"^start must be >= 0, got -{start}$",
+                           lambda: kvcache.update_kv_layer_cache(g.cache, kn, vn, -start))
+
+
 @pytest.mark.parametrize("name", ["batch_size", "num_kv_heads", "head_dim", "max_len"])
 def test_python_int_sizes_beyond_int64(name):
     sizes = dict(batch_size=1, num_kv_heads=1, head_dim=1, max_len=1)
