@@ -368,13 +368,21 @@ def rollback_kv_layer_cache(
 
     Raises:
         ValueError: If ``n`` is negative or larger than a row holds (CPU;
-            nothing changes). On CUDA every length becomes -1 instead.
+            nothing changes; also for a Python int outside int64). On CUDA
+            every length becomes -1 instead.
         TypeError: If ``n`` is not an int or an integer tensor.
     """
     if not isinstance(cache, KVLayerCache):
         raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
     if not isinstance(n, torch.Tensor):
-        n = torch.tensor(_as_int("n", n), dtype=torch.int64, device=cache.length.device)
+        n = _as_int("n", n)
+        # torch.tensor would raise "Overflow when unpacking long long": say
+        # what the op says, naming n.
+        if n < _INT64_MIN:
+            raise ValueError(f"n must be >= 0, got {n}")
+        if n > _INT64_MAX:
+            raise ValueError(f"cannot roll back more tokens than the row holds: n={n} does not fit in int64")
+        n = torch.tensor(n, dtype=torch.int64, device=cache.length.device)
     _rollback_op(cache.length, n, kv_start=kv_start)
     return cache
 

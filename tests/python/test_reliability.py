@@ -235,6 +235,17 @@ def test_python_int_start_beyond_int64(start):
                            lambda: kvcache.update_kv_layer_cache(g.cache, kn, vn, -start))
 
 
+@pytest.mark.parametrize("n", [2**63, -(2**63) - 1, 2**70])
+def test_python_int_rollback_beyond_int64(n):
+    cache = kvcache.init_kv_layer_cache(1, 1, 4, 8, torch.float32)
+    cache = kvcache.KVLayerCache(cache.keys, cache.values, torch.tensor(5, dtype=torch.int32))
+    match = (rf"^n must be >= 0, got {n}$" if n < 0
+             else rf"^cannot roll back more tokens than the row holds: n={n} does not fit in int64$")
+    with pytest.raises(ValueError, match=match):
+        kvcache.rollback_kv_layer_cache(cache, n)
+    assert int(cache.length) == 5
+
+
 @pytest.mark.parametrize("name", ["batch_size", "num_kv_heads", "head_dim", "max_len"])
 def test_python_int_sizes_beyond_int64(name):
     sizes = dict(batch_size=1, num_kv_heads=1, head_dim=1, max_len=1)
