@@ -16,7 +16,7 @@ bool holds(const c10::SymBool& cond) {
   if (auto b = cond.maybe_as_bool()) {
     return *b;
   }
-  return cond.expect_true(__FILE__, __LINE__);
+  return cond.guard_or_true(__FILE__, __LINE__);
 }
 
 int64_t shown(const c10::SymInt& v) {
