@@ -38,6 +38,10 @@ bool holds(const c10::SymBool& cond);
 // A SymInt as a plain integer for an error message (its hint while tracing).
 int64_t shown(const c10::SymInt& v);
 
+// t's shape as eager code prints it ("[2, 3, 4]"), also while tracing (a
+// SymInt prints as its symbol, "[s0, 3, 4]", which eager code never says).
+std::string shape_str(const at::Tensor& t);
+
 // a.sizes() == b.sizes() (as symbols while tracing).
 bool same_sizes(const at::Tensor& a, const at::Tensor& b);
 

@@ -54,11 +54,11 @@ Shape check_tensors(const at::Tensor& keys, const at::Tensor& values,
                     "keys_new must have shape (batch=", shown(g.batch),
                     ", num_kv_heads=", shown(g.heads), ", chunk, head_dim=",
                     shown(g.head_dim), ") to match the cache, got ",
-                    keys_new.sym_sizes());
+                    shape_str(keys_new));
   TORCH_CHECK_VALUE(
       same_sizes(values_new, keys_new),
-      "values_new must have the same shape as keys_new ", keys_new.sym_sizes(),
-      ", got ", values_new.sym_sizes());
+      "values_new must have the same shape as keys_new ", shape_str(keys_new),
+      ", got ", shape_str(values_new));
 
   // No implicit casts: a cast would hide a model/cache dtype mismatch and
   // cost an extra pass over the data.
