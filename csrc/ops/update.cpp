@@ -72,12 +72,14 @@ Shape check_tensors(const at::Tensor& keys, const at::Tensor& values,
   return g;
 }
 
-// The rows a call writes: one start for every row, one per row, or (when
-// the starts are only known on the device, or while tracing) any row.
+// The rows a call writes: one start for every row (update_, whose start is
+// a host integer), or any row. With a start tensor (update_.Tensor,
+// append_) the rows are only known when the kernel runs (on CUDA, only on
+// the device), so new data may not view keys or values at all: one rule on
+// every device, eagerly and in traced code alike.
 struct Written {
-  enum Kind { kAny, kShared, kPerRow } kind = kAny;
+  enum Kind { kAny, kShared } kind = kAny;
   int64_t start = 0;
-  const std::vector<int64_t>* starts = nullptr;
   int64_t chunk = 0;
 };
 
@@ -91,26 +93,15 @@ void check_not_written(const at::Tensor& dst, const char* dst_name,
   const Box from = box_of(src);
   bool hit = false;
   if (overlaps(whole, from)) {
-    switch (w.kind) {
-      case Written::kAny:
-        hit = true;
-        break;
-      case Written::kShared:
-        hit = overlaps(slice_box(whole, 2, w.start, w.chunk), from);
-        break;
-      case Written::kPerRow:
-        for (size_t b = 0; b < w.starts->size() && !hit; ++b) {
-          const Box row = slice_box(whole, 0, static_cast<int64_t>(b), 1);
-          hit = overlaps(slice_box(row, 2, (*w.starts)[b], w.chunk), from);
-        }
-        break;
-    }
+    hit = w.kind == Written::kAny ||
+          overlaps(slice_box(whole, 2, w.start, w.chunk), from);
   }
   TORCH_CHECK_VALUE(!hit, src_name, " must not share memory with the rows of ",
                     dst_name, " that it is written to",
                     w.kind == Written::kAny
-                        ? " (the rows are only known on the device, so any "
-                          "row of the cache counts)"
+                        ? " (with a start tensor the rows written are only "
+                          "known when the kernel runs, so new data must not "
+                          "view the cache at all)"
                         : "");
 }
 
@@ -172,13 +163,7 @@ std::vector<int64_t> check_start_rows(const at::Tensor& keys,
       check_start_value(starts[b], chunk, max_len, name, &rows, b);
     }
   }
-  Written w;
-  w.chunk = g.chunk.maybe_as_int().value_or(0);
-  if (!starts.empty() && g.chunk.maybe_as_int()) {
-    w.kind = rows.dim() == 0 ? Written::kShared : Written::kPerRow;
-    w.start = starts[0];
-    w.starts = &starts;
-  }
+  Written w;  // kAny: see Written
   check_sources(keys, values, keys_new, values_new, w);
   return starts;
 }

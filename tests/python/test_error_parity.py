@@ -204,6 +204,7 @@ CASES = [
     Case("update_.Tensor/start-shape", upd_t, lambda: (*cache(), *new(1), torch.zeros(B + 1, dtype=torch.int64))),
     Case("update_.Tensor/start-device", upd_t, lambda: (*cache(), *new(1), torch.tensor(0, device="meta"))),
     Case("update_.Tensor/start-in-cache", upd_t, start_in_cache),
+    Case("update_.Tensor/new-data-reads-the-cache", upd_t, aliasing_unwritten_rows),
     Case("update_.Tensor/start-negative", upd_t, lambda: (*cache(), *new(1), torch.tensor([0, -1])), runtime=True),
     Case("update_.Tensor/start-int64-max", upd_t, lambda: (*cache(), *new(1), torch.tensor([0, INT64_MAX])),
          runtime=True),

@@ -347,6 +347,31 @@ def test_reading_rows_not_written_is_allowed(layout):
     assert_same(g.values, ev)
 
 
+START_TENSOR_ALIAS = (r"^keys_new must not share memory with the rows of keys that it is written to \(with a start "
+                      r"tensor the rows written are only known when the kernel runs, so new data must not view the "
+                      r"cache at all\)$")
+
+
+@pytest.mark.parametrize("layout", ["bhtd", "bthd", "fused"])
+def test_start_tensor_new_data_must_not_view_the_cache(layout):
+    """With a start tensor the rows are only known when the kernel runs (on CUDA, on the device):
+    any view of the cache as new data is refused, on every device and in traced code alike
+    (eager CPU used to allow rows not written while the fake kernels refused them)."""
+    g = Guarded(layout=layout, seed=5)
+    kn, vn = g.keys[:, :, 0:2], torch.randn(B, H, 2, D)  # rows 0..1, never written at starts 3 and 6
+    raises_nothing_written(g, ValueError, START_TENSOR_ALIAS,
+                           lambda: ops.update_.Tensor(g.keys, g.values, kn, vn, torch.tensor([3, 6])))
+    lengths = torch.tensor([3, 6])
+    g.watch(lengths)
+    raises_nothing_written(g, ValueError, START_TENSOR_ALIAS, lambda: ops.append_(g.keys, g.values, lengths, kn, vn))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fk, fv = mode.from_tensor(g.keys), mode.from_tensor(g.values)
+        with pytest.raises(ValueError, match=START_TENSOR_ALIAS):
+            ops.update_.Tensor(fk, fv, fk[:, :, 0:2], mode.from_tensor(vn), mode.from_tensor(torch.tensor([3, 6])))
+
+
 def test_int_tensors_aliasing_the_cache_rejected():
     """An int cache whose bytes hold the start/lengths/index read or written by the op."""
     keys = torch.zeros(B, H, T, D, dtype=torch.int64)
