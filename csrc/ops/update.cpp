@@ -142,17 +142,25 @@ void check_start_value(int64_t s, int64_t chunk, int64_t max_len,
                     shared ? "" : "]", "=", s, ", chunk=", chunk, ")");
 }
 
-// Checks a start tensor's metadata and (when readable here) its values.
-// Returns the starts (one for a 0-D tensor, else one per row); empty when
-// the values are not known on the host.
-std::vector<int64_t> check_start_rows(const at::Tensor& keys,
-                                      const at::Tensor& values,
-                                      const at::Tensor& keys_new,
-                                      const at::Tensor& values_new,
-                                      const at::Tensor& rows, const char* name,
-                                      const Shape& g, bool values_known) {
+// Checks a start tensor's metadata: everything that traced code knows too.
+void check_start_meta(const at::Tensor& keys, const at::Tensor& values,
+                      const at::Tensor& keys_new, const at::Tensor& values_new,
+                      const at::Tensor& rows, const char* name,
+                      const Shape& g) {
   check_row_ints(rows, name, g.batch, keys.device());
   check_int_rows_apart(rows, name, keys, values);
+  Written w;  // kAny: see Written
+  check_sources(keys, values, keys_new, values_new, w);
+}
+
+// Reads and checks a start tensor's values, after every metadata check (so
+// that eager code, which knows the values, raises what traced code raises
+// when both a value and the metadata are wrong). Returns the starts (one for
+// a 0-D tensor, else one per row); empty when the values are not known on
+// the host (tracing, or a device tensor: the kernel checks them).
+std::vector<int64_t> check_start_values(const at::Tensor& rows,
+                                        const char* name, const Shape& g,
+                                        bool values_known) {
   std::vector<int64_t> starts;
   if (values_known && rows.device().is_cpu()) {
     const int64_t chunk = g.chunk.expect_int();
@@ -163,8 +171,6 @@ std::vector<int64_t> check_start_rows(const at::Tensor& keys,
       check_start_value(starts[b], chunk, max_len, name, &rows, b);
     }
   }
-  Written w;  // kAny: see Written
-  check_sources(keys, values, keys_new, values_new, w);
   return starts;
 }
 
@@ -199,8 +205,8 @@ std::vector<int64_t> check_update_tensor(const at::Tensor& keys,
                                          const at::Tensor& start,
                                          bool values_known) {
   const Shape g = check_tensors(keys, values, keys_new, values_new);
-  return check_start_rows(keys, values, keys_new, values_new, start, "start",
-                          g, values_known);
+  check_start_meta(keys, values, keys_new, values_new, start, "start", g);
+  return check_start_values(start, "start", g, values_known);
 }
 
 std::vector<int64_t> check_append(const at::Tensor& keys,
@@ -214,15 +220,14 @@ std::vector<int64_t> check_append(const at::Tensor& keys,
   TORCH_CHECK_VALUE(!self_overlaps(box_of(lengths)),
                     "lengths must not have internally overlapping memory (it "
                     "is written in place, one entry per row)");
-  auto starts = check_start_rows(keys, values, keys_new, values_new, lengths,
-                                 "lengths", g, values_known);
+  check_start_meta(keys, values, keys_new, values_new, lengths, "lengths", g);
   // lengths is written too: it must not alias what the call reads.
   const Box lb = box_of(lengths);
   TORCH_CHECK_VALUE(!overlaps(lb, box_of(keys_new)) &&
                         !overlaps(lb, box_of(values_new)),
                     "lengths must not share memory with keys_new or "
                     "values_new");
-  return starts;
+  return check_start_values(lengths, "lengths", g, values_known);
 }
 
 }  // namespace detail

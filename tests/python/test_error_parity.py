@@ -214,6 +214,7 @@ CASES = [
     Case("append_/lengths-float", app, lambda: (*cache(), torch.tensor(0.0), *new(1))),
     Case("append_/lengths-expanded", app, lambda: (*cache(), torch.zeros(1, dtype=torch.int64).expand(B), *new(1))),
     Case("append_/lengths-shape", app, lambda: (*cache(), torch.zeros(B, 1, dtype=torch.int64), *new(1))),
+    Case("append_/lengths-aliases-keys_new", app, lengths_aliasing_new),
     Case("append_/lengths-in-cache", app, append_lengths_in_cache),
     Case("append_/lengths-overflow", app, lambda: (*cache(), torch.tensor([T, 0]), *new(1)), runtime=True),
     Case("append_/lengths-int64-max", app, lambda: (*cache(), torch.tensor(INT64_MAX), *new(1)), runtime=True),
