@@ -3,6 +3,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
+#include <optional>
 #include <string>
 
 #include "../core/checks.h"
@@ -82,6 +83,20 @@ struct Written {
   int64_t start = 0;
   int64_t chunk = 0;
 };
+
+// Whether any of keys_new / values_new shares a byte with keys or values.
+bool new_data_views_cache(const at::Tensor& keys, const at::Tensor& values,
+                          const at::Tensor& keys_new,
+                          const at::Tensor& values_new) {
+  for (const at::Tensor* dst : {&keys, &values}) {
+    const Box whole = box_of(*dst);
+    if (overlaps(whole, box_of(keys_new)) ||
+        overlaps(whole, box_of(values_new))) {
+      return true;
+    }
+  }
+  return false;
+}
 
 // New data may be read from rows of the cache that are not written (moving
 // cached rows), never from the rows being written: raise if `src` shares a
@@ -188,9 +203,22 @@ void check_update(const at::Tensor& keys, const at::Tensor& values,
                     exact_end(shown(start), shown(g.chunk)),
                     " exceeds max_len=", shown(g.max_len));
   Written w;
-  const auto s = start.maybe_as_int();
-  const auto chunk = g.chunk.maybe_as_int();
-  if (s && chunk) {
+  if (new_data_views_cache(keys, values, keys_new, values_new)) {
+    // Only new data that views the cache needs the rows. A symbolic start
+    // or chunk (a changing start under torch.compile) is then guarded on its
+    // hint, as eager code knows it: a recompile per start for such calls
+    // only. A data-dependent one (no hint) is left to the kernel, which
+    // checks the concrete rows when the program runs (see holds()).
+    auto concrete = [](const c10::SymInt& v) -> std::optional<int64_t> {
+      if (auto i = v.maybe_as_int()) return i;
+      if (v.has_hint()) return v.guard_int(__FILE__, __LINE__);
+      return std::nullopt;
+    };
+    const auto s = concrete(start);
+    const auto chunk = concrete(g.chunk);
+    if (!s || !chunk) {
+      return;
+    }
     w.kind = Written::kShared;
     w.start = *s;
     w.chunk = *chunk;

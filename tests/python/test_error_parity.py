@@ -365,3 +365,24 @@ def test_data_dependent_start_raises_eager_error(backend, start):
         assert torch.equal(k, before)
         compiled(k, v, kn, vn, torch.tensor([3]))  # the same program, a valid start
     assert torch.equal(k[:, :, 3:5], kn)
+
+
+def test_compiled_changing_start_may_read_rows_not_written():
+    """update_ with a host start may read cache rows it does not write (eager allows it). Under
+    torch.compile the start becomes symbolic after it changes (automatic dynamic): the fake kernel
+    must still decide on the rows (not refuse every view of the cache)."""
+    k, v = cache()
+
+    def step(k, v, start):
+        return ops.update_(k, v, k[:, :, 0:1], v[:, :, 0:1], start)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    for start in (2, 3, 4, 5):
+        ek, ev = k.clone(), v.clone()
+        ek[:, :, start] = ek[:, :, 0]
+        ev[:, :, start] = ev[:, :, 0]
+        compiled(k, v, start)
+        assert torch.equal(k, ek) and torch.equal(v, ev)
+    with pytest.raises(Exception, match="keys_new must not share memory with the rows of keys that it is written to"):
+        compiled(k, v, 0)  # row 0 is read and written: refused, as eagerly
