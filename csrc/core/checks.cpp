@@ -16,7 +16,7 @@ bool holds(const c10::SymBool& cond) {
   if (auto b = cond.maybe_as_bool()) {
     return *b;
   }
-  return cond.expect_true(__FILE__, __LINE__);
+  return cond.guard_or_true(__FILE__, __LINE__);
 }
 
 int64_t shown(const c10::SymInt& v) {
@@ -24,6 +24,15 @@ int64_t shown(const c10::SymInt& v) {
     return *i;
   }
   return v.guard_int(__FILE__, __LINE__);
+}
+
+std::string shape_str(const at::Tensor& t) {
+  std::string s = "[";
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (d > 0) s += ", ";
+    s += std::to_string(shown(t.sym_size(d)));
+  }
+  return s + "]";
 }
 
 bool same_sizes(const at::Tensor& a, const at::Tensor& b) {
@@ -72,7 +81,7 @@ void check_rank(const at::Tensor& t, int64_t rank, const char* name,
                 const char* dims) {
   TORCH_CHECK_VALUE(t.dim() == rank, name, " must be a ", rank,
                     "-D tensor of shape ", dims, ", got ", t.dim(),
-                    "-D shape ", t.sym_sizes());
+                    "-D shape ", shape_str(t));
 }
 
 void check_dtype(const at::Tensor& t, at::ScalarType expected,
@@ -98,7 +107,7 @@ void check_row_ints(const at::Tensor& t, const char* name,
   TORCH_CHECK_VALUE(
       t.dim() == 0 || (t.dim() == 1 && holds(t.sym_size(0).sym_eq(batch))),
       name, " must be a 0-D tensor (one value for every row) or have shape "
-      "(batch=", shown(batch), ",), got shape ", t.sym_sizes());
+      "(batch=", shown(batch), ",), got shape ", shape_str(t));
   check_device(t, device, name, "the cache's device");
 }
 
@@ -116,7 +125,7 @@ void check_cache(const at::Tensor& keys, const at::Tensor& values) {
   check_rank(values, 4, "values", "(batch, num_kv_heads, max_len, head_dim)");
   TORCH_CHECK_VALUE(same_sizes(values, keys),
                     "values must have the same shape as keys ",
-                    keys.sym_sizes(), ", got ", values.sym_sizes());
+                    shape_str(keys), ", got ", shape_str(values));
   TORCH_CHECK_TYPE(values.scalar_type() == keys.scalar_type(),
                    "values must have the same dtype as keys (",
                    py_dtype(keys.scalar_type()), "), got ",

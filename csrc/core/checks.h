@@ -7,9 +7,9 @@
 // The checks run on real tensors (eager kernels) and on fake/meta tensors
 // (the Python fake kernels call them through kvcache._C), so sizes are read
 // as c10::SymInt: concrete ints in eager code, symbols while tracing. A
-// condition on symbols is decided the way torch._check decides it (a guard,
-// or a deferred runtime assert when there is no hint), so traced code raises
-// exactly what eager code raises.
+// condition on symbols is decided on their hints (a guard); one on
+// data-dependent symbols is left to the kernel at run time (see holds()), so
+// traced code raises exactly what eager code raises.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -26,12 +26,21 @@ namespace detail {
 // Python spelling of a dtype ("torch.float32"), as users write it.
 std::string py_dtype(at::ScalarType t);
 
-// True if `cond` holds. Concrete in eager code; while tracing, it guards on
-// the symbolic condition (or defers it to run time), like torch._check.
+// True if `cond` holds. Concrete in eager code. While tracing: a condition
+// on backed symbols guards on their hints (the answer eager code gives for
+// this input); a data-dependent (unbacked) one is taken as true, with no
+// deferred runtime assert: the kernel, which every traced program calls
+// (custom ops are opaque to the compilers), checks the concrete value at
+// run time and raises eager's exception. A deferred assert would raise
+// "Runtime assertion failed for expression u0 <= 6" first instead.
 bool holds(const c10::SymBool& cond);
 
 // A SymInt as a plain integer for an error message (its hint while tracing).
 int64_t shown(const c10::SymInt& v);
+
+// t's shape as eager code prints it ("[2, 3, 4]"), also while tracing (a
+// SymInt prints as its symbol, "[s0, 3, 4]", which eager code never says).
+std::string shape_str(const at::Tensor& t);
 
 // a.sizes() == b.sizes() (as symbols while tracing).
 bool same_sizes(const at::Tensor& a, const at::Tensor& b);

@@ -56,9 +56,13 @@ void select_rows_cpu(const SelectRowsParams& p) {
       }
     }
   }
-  // A 0-D lengths (every row the same) is unchanged by any selection.
+  // A 0-D lengths (every row the same) is unchanged by any selection (also
+  // with batch 0, where there are no checked rows to read).
+  const bool per_row = p.out.stride != 0 || p.out.numel > 1;
   for (int64_t b = 0; b < p.out.numel; ++b) {
-    detail::write_row(p.out, b, p.host_lengths[p.host_index[b]]);
+    detail::write_row(p.out, b,
+                      per_row ? p.host_lengths[p.host_index[b]]
+                              : detail::read_row(p.lengths, 0));
   }
 }
 

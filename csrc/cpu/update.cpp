@@ -18,11 +18,26 @@ using detail::SrcRows;
 using detail::UpdateParams;
 
 // An OpenMP region costs microseconds on an idle machine and milliseconds
-// when the other cores are busy (measured on the 2-core CI machine: a
-// 128 KiB decode update went from ~15 us to 10-16 ms). Below this many bytes
-// in all, the copy runs on the calling thread; a single-token decode step
-// always does.
-constexpr int64_t kParallelBytes = int64_t{4} << 20;
+// when the other cores are busy: the worker waits for a scheduler slice.
+// Measured on the 2-core CI machine (shared, load ~7; update_ fp32, batch 4,
+// 8 heads, head_dim 128, a build with KVCACHE_PARALLEL_BYTES=0, medians of
+// 5 rounds, 1 vs 2 threads): up to 1 MiB at::parallel_for stays inline (the
+// grain below); from 2 MiB to 128 MiB the 2-thread copy was 1.4-78x SLOWER
+// (a region cost 4-20 ms: 2 MiB took 20 ms instead of 0.26 ms; 32 MiB 8 ms
+// instead of 4 ms; 128 MiB 24 ms instead of 17.6 ms); at 256 MiB it was 2.5x
+// faster (40 ms vs 99 ms). With a spinning process on the other core the
+// picture is the same. Only rounds where the other core happened to be free
+// showed a 2x gain from 2 MiB on. So the copy runs on the calling thread
+// below 256 MiB in all (a prefill that large amortizes a lost slice), and a
+// single-token decode step never goes parallel, whatever its size. At one
+// thread at::parallel_for runs inline: no threshold matters.
+// KVCACHE_PARALLEL_BYTES overrides it at build time, only to measure the
+// crossover (a build with 0 goes parallel from the first grain).
+#ifdef KVCACHE_PARALLEL_BYTES
+constexpr int64_t kParallelBytes = KVCACHE_PARALLEL_BYTES;
+#else
+constexpr int64_t kParallelBytes = int64_t{256} << 20;
+#endif
 // Bytes per task once parallel.
 constexpr int64_t kGrainBytes = int64_t{1} << 20;
 

@@ -39,7 +39,7 @@ AttendRows check_attend(const at::Tensor& q, const at::Tensor& keys,
   check_rank(values, 4, "values", "(batch, num_kv_heads, max_len, head_dim)");
   TORCH_CHECK_VALUE(same_sizes(values, keys),
                     "values must have the same shape as keys ",
-                    keys.sym_sizes(), ", got ", values.sym_sizes());
+                    shape_str(keys), ", got ", shape_str(values));
   const c10::SymInt batch = keys.sym_size(0);
   const c10::SymInt kv_heads = keys.sym_size(1);
   const c10::SymInt max_len = keys.sym_size(2);
@@ -50,7 +50,7 @@ AttendRows check_attend(const at::Tensor& q, const at::Tensor& keys,
       holds(q.sym_size(0).sym_eq(batch)) &&
           holds(q.sym_size(3).sym_eq(head_dim)),
       "q must have shape (batch=", shown(batch), ", num_heads, seq, head_dim=",
-      shown(head_dim), ") to match the cache, got ", q.sym_sizes());
+      shown(head_dim), ") to match the cache, got ", shape_str(q));
   // Grouped-query attention: query head h reads KV head h / (heads / kv).
   TORCH_CHECK_VALUE(
       holds(kv_heads.sym_gt(0)) ? holds((heads % kv_heads).sym_eq(0))

@@ -33,7 +33,7 @@ void check_like_lengths(const at::Tensor& t, const char* name,
       t.dim() == 0 || (lengths.dim() == 1 && t.dim() == 1 &&
                        holds(t.sym_size(0).sym_eq(lengths.sym_size(0)))),
       name, " must be a 0-D tensor or have the shape of lengths ",
-      lengths.sym_sizes(), ", got shape ", t.sym_sizes());
+      shape_str(lengths), ", got shape ", shape_str(t));
   check_device(t, lengths.device(), name, "the device of lengths");
 }
 
@@ -46,7 +46,7 @@ void check_lengths_tensor(const at::Tensor& lengths) {
   TORCH_CHECK_VALUE(lengths.dim() <= 1,
                     "lengths must be a 0-D tensor or have shape (batch,), got "
                     "shape ",
-                    lengths.sym_sizes());
+                    shape_str(lengths));
 }
 
 }  // namespace
@@ -104,7 +104,7 @@ SelectRowsValues check_select_rows(const at::Tensor& keys,
   TORCH_CHECK_VALUE(
       index.dim() == 1 && holds(index.sym_size(0).sym_eq(batch)),
       "index must have shape (batch=", shown(batch), ",), got shape ",
-      index.sym_sizes());
+      shape_str(index));
   check_device(index, keys.device(), "index", "the cache's device");
   for (const auto& [t, name] :
        {std::pair<const at::Tensor&, const char*>{lengths, "lengths"},

@@ -3,6 +3,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
+#include <optional>
 #include <string>
 
 #include "../core/checks.h"
@@ -54,11 +55,11 @@ Shape check_tensors(const at::Tensor& keys, const at::Tensor& values,
                     "keys_new must have shape (batch=", shown(g.batch),
                     ", num_kv_heads=", shown(g.heads), ", chunk, head_dim=",
                     shown(g.head_dim), ") to match the cache, got ",
-                    keys_new.sym_sizes());
+                    shape_str(keys_new));
   TORCH_CHECK_VALUE(
       same_sizes(values_new, keys_new),
-      "values_new must have the same shape as keys_new ", keys_new.sym_sizes(),
-      ", got ", values_new.sym_sizes());
+      "values_new must have the same shape as keys_new ", shape_str(keys_new),
+      ", got ", shape_str(values_new));
 
   // No implicit casts: a cast would hide a model/cache dtype mismatch and
   // cost an extra pass over the data.
@@ -72,14 +73,30 @@ Shape check_tensors(const at::Tensor& keys, const at::Tensor& values,
   return g;
 }
 
-// The rows a call writes: one start for every row, one per row, or (when
-// the starts are only known on the device, or while tracing) any row.
+// The rows a call writes: one start for every row (update_, whose start is
+// a host integer), or any row. With a start tensor (update_.Tensor,
+// append_) the rows are only known when the kernel runs (on CUDA, only on
+// the device), so new data may not view keys or values at all: one rule on
+// every device, eagerly and in traced code alike.
 struct Written {
-  enum Kind { kAny, kShared, kPerRow } kind = kAny;
+  enum Kind { kAny, kShared } kind = kAny;
   int64_t start = 0;
-  const std::vector<int64_t>* starts = nullptr;
   int64_t chunk = 0;
 };
+
+// Whether any of keys_new / values_new shares a byte with keys or values.
+bool new_data_views_cache(const at::Tensor& keys, const at::Tensor& values,
+                          const at::Tensor& keys_new,
+                          const at::Tensor& values_new) {
+  for (const at::Tensor* dst : {&keys, &values}) {
+    const Box whole = box_of(*dst);
+    if (overlaps(whole, box_of(keys_new)) ||
+        overlaps(whole, box_of(values_new))) {
+      return true;
+    }
+  }
+  return false;
+}
 
 // New data may be read from rows of the cache that are not written (moving
 // cached rows), never from the rows being written: raise if `src` shares a
@@ -91,26 +108,15 @@ void check_not_written(const at::Tensor& dst, const char* dst_name,
   const Box from = box_of(src);
   bool hit = false;
   if (overlaps(whole, from)) {
-    switch (w.kind) {
-      case Written::kAny:
-        hit = true;
-        break;
-      case Written::kShared:
-        hit = overlaps(slice_box(whole, 2, w.start, w.chunk), from);
-        break;
-      case Written::kPerRow:
-        for (size_t b = 0; b < w.starts->size() && !hit; ++b) {
-          const Box row = slice_box(whole, 0, static_cast<int64_t>(b), 1);
-          hit = overlaps(slice_box(row, 2, (*w.starts)[b], w.chunk), from);
-        }
-        break;
-    }
+    hit = w.kind == Written::kAny ||
+          overlaps(slice_box(whole, 2, w.start, w.chunk), from);
   }
   TORCH_CHECK_VALUE(!hit, src_name, " must not share memory with the rows of ",
                     dst_name, " that it is written to",
                     w.kind == Written::kAny
-                        ? " (the rows are only known on the device, so any "
-                          "row of the cache counts)"
+                        ? " (with a start tensor the rows written are only "
+                          "known when the kernel runs, so new data must not "
+                          "view the cache at all)"
                         : "");
 }
 
@@ -151,17 +157,25 @@ void check_start_value(int64_t s, int64_t chunk, int64_t max_len,
                     shared ? "" : "]", "=", s, ", chunk=", chunk, ")");
 }
 
-// Checks a start tensor's metadata and (when readable here) its values.
-// Returns the starts (one for a 0-D tensor, else one per row); empty when
-// the values are not known on the host.
-std::vector<int64_t> check_start_rows(const at::Tensor& keys,
-                                      const at::Tensor& values,
-                                      const at::Tensor& keys_new,
-                                      const at::Tensor& values_new,
-                                      const at::Tensor& rows, const char* name,
-                                      const Shape& g, bool values_known) {
+// Checks a start tensor's metadata: everything that traced code knows too.
+void check_start_meta(const at::Tensor& keys, const at::Tensor& values,
+                      const at::Tensor& keys_new, const at::Tensor& values_new,
+                      const at::Tensor& rows, const char* name,
+                      const Shape& g) {
   check_row_ints(rows, name, g.batch, keys.device());
   check_int_rows_apart(rows, name, keys, values);
+  Written w;  // kAny: see Written
+  check_sources(keys, values, keys_new, values_new, w);
+}
+
+// Reads and checks a start tensor's values, after every metadata check (so
+// that eager code, which knows the values, raises what traced code raises
+// when both a value and the metadata are wrong). Returns the starts (one for
+// a 0-D tensor, else one per row); empty when the values are not known on
+// the host (tracing, or a device tensor: the kernel checks them).
+std::vector<int64_t> check_start_values(const at::Tensor& rows,
+                                        const char* name, const Shape& g,
+                                        bool values_known) {
   std::vector<int64_t> starts;
   if (values_known && rows.device().is_cpu()) {
     const int64_t chunk = g.chunk.expect_int();
@@ -172,14 +186,6 @@ std::vector<int64_t> check_start_rows(const at::Tensor& keys,
       check_start_value(starts[b], chunk, max_len, name, &rows, b);
     }
   }
-  Written w;
-  w.chunk = g.chunk.maybe_as_int().value_or(0);
-  if (!starts.empty() && g.chunk.maybe_as_int()) {
-    w.kind = rows.dim() == 0 ? Written::kShared : Written::kPerRow;
-    w.start = starts[0];
-    w.starts = &starts;
-  }
-  check_sources(keys, values, keys_new, values_new, w);
   return starts;
 }
 
@@ -197,9 +203,22 @@ void check_update(const at::Tensor& keys, const at::Tensor& values,
                     exact_end(shown(start), shown(g.chunk)),
                     " exceeds max_len=", shown(g.max_len));
   Written w;
-  const auto s = start.maybe_as_int();
-  const auto chunk = g.chunk.maybe_as_int();
-  if (s && chunk) {
+  if (new_data_views_cache(keys, values, keys_new, values_new)) {
+    // Only new data that views the cache needs the rows. A symbolic start
+    // or chunk (a changing start under torch.compile) is then guarded on its
+    // hint, as eager code knows it: a recompile per start for such calls
+    // only. A data-dependent one (no hint) is left to the kernel, which
+    // checks the concrete rows when the program runs (see holds()).
+    auto concrete = [](const c10::SymInt& v) -> std::optional<int64_t> {
+      if (auto i = v.maybe_as_int()) return i;
+      if (v.has_hint()) return v.guard_int(__FILE__, __LINE__);
+      return std::nullopt;
+    };
+    const auto s = concrete(start);
+    const auto chunk = concrete(g.chunk);
+    if (!s || !chunk) {
+      return;
+    }
     w.kind = Written::kShared;
     w.start = *s;
     w.chunk = *chunk;
@@ -214,8 +233,8 @@ std::vector<int64_t> check_update_tensor(const at::Tensor& keys,
                                          const at::Tensor& start,
                                          bool values_known) {
   const Shape g = check_tensors(keys, values, keys_new, values_new);
-  return check_start_rows(keys, values, keys_new, values_new, start, "start",
-                          g, values_known);
+  check_start_meta(keys, values, keys_new, values_new, start, "start", g);
+  return check_start_values(start, "start", g, values_known);
 }
 
 std::vector<int64_t> check_append(const at::Tensor& keys,
@@ -229,15 +248,14 @@ std::vector<int64_t> check_append(const at::Tensor& keys,
   TORCH_CHECK_VALUE(!self_overlaps(box_of(lengths)),
                     "lengths must not have internally overlapping memory (it "
                     "is written in place, one entry per row)");
-  auto starts = check_start_rows(keys, values, keys_new, values_new, lengths,
-                                 "lengths", g, values_known);
+  check_start_meta(keys, values, keys_new, values_new, lengths, "lengths", g);
   // lengths is written too: it must not alias what the call reads.
   const Box lb = box_of(lengths);
   TORCH_CHECK_VALUE(!overlaps(lb, box_of(keys_new)) &&
                         !overlaps(lb, box_of(values_new)),
                     "lengths must not share memory with keys_new or "
                     "values_new");
-  return starts;
+  return check_start_values(lengths, "lengths", g, values_known);
 }
 
 }  // namespace detail

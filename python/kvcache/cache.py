@@ -376,14 +376,23 @@ def rollback_kv_layer_cache(
 
     Raises:
         ValueError: If ``n`` is negative or larger than a row holds (CPU;
-            nothing changes). On CUDA every length becomes -1 instead
-            (check ``(cache.length >= 0).all()`` where a sync is fine).
+            nothing changes; also for a Python int outside int64). On CUDA
+            every length becomes -1 instead (check ``(cache.length >= 0).all()``
+            where a sync is fine).
         TypeError: If ``n`` is not an int or an integer tensor.
     """
     if not isinstance(cache, KVLayerCache):
         raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
     if not isinstance(n, torch.Tensor):
-        n = torch.tensor(_as_int("n", n), dtype=torch.int64, device=cache.length.device)
+        n = _as_int("n", n)
+        # torch.tensor would raise "Overflow when unpacking long long": say
+        # what the op says, naming n.
+        if n < _INT64_MIN:
+            raise ValueError(f"n must be >= 0, got {n}")
+        if n > _INT64_MAX:
+            raise ValueError(f"cannot roll back more tokens than the row holds: n={n} does not fit in int64")
+        n = torch.tensor(n, dtype=torch.int64, device=cache.length.device)
+    _check_length_writable(cache.length)
     cache.length.copy_(_rollback_op(cache.length, n, kv_start=kv_start))
     return cache
 
@@ -413,6 +422,7 @@ def select_kv_layer_cache_rows(cache: KVLayerCache, index: torch.Tensor) -> KVLa
     """
     if not isinstance(cache, KVLayerCache):
         raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
+    _check_length_writable(cache.length)
     cache.length.copy_(_select_rows_op(cache.keys, cache.values, cache.length, index))
     return cache
 
@@ -446,6 +456,7 @@ def reset_kv_layer_cache_rows(cache: KVLayerCache, rows: torch.Tensor) -> KVLaye
         )
     if not isinstance(rows, torch.Tensor) or rows.is_floating_point() or rows.is_complex():
         raise TypeError("rows must be a bool mask or an integer tensor of row indices")
+    _check_length_writable(cache.length)
     if rows.dtype == torch.bool:
         cache.length.masked_fill_(rows, 0)
     else:
@@ -453,12 +464,29 @@ def reset_kv_layer_cache_rows(cache: KVLayerCache, rows: torch.Tensor) -> KVLaye
     return cache
 
 
+def _check_length_writable(length: torch.Tensor) -> None:
+    # copy_ into an inference tensor outside inference mode writes, then
+    # raises (the check is in the version bump): raise first, with
+    # PyTorch's own message, so that nothing changes.
+    if torch.compiler.is_compiling():
+        return  # Dynamo cannot trace is_inference(); traced code is not inference-mode code
+    if length.is_inference() and not torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            "Inplace update to inference tensor outside InferenceMode is not allowed. You can make a "
+            "clone to get a normal tensor before doing inplace update. (kvcache: cache.length is an "
+            "inference tensor)"
+        )
+
+
 def _raise_out_of_range_start(start: int, keys_new, keys) -> None:
     if start < 0:
         raise ValueError(f"start must be >= 0, got {start}")
     chunk = keys_new.shape[2] if isinstance(keys_new, torch.Tensor) and keys_new.dim() == 4 else 0
     max_len = keys.shape[2] if isinstance(keys, torch.Tensor) and keys.dim() == 4 else 0
-    raise ValueError(f"KV cache overflow: end={start + chunk} exceeds max_len={max_len}")
+    # The op's overflow message, naming the argument that does not fit.
+    raise ValueError(
+        f"KV cache overflow: end={start + chunk} exceeds max_len={max_len} (start={start} does not fit in int64)"
+    )
 
 
 def _as_int(name: str, value) -> int:

@@ -41,8 +41,7 @@ def random_tensor(shape, dtype, device="cpu", seed=0):
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """Raw bytes of a tensor: compares every dtype (NaNs, float8) exactly."""
-    t = t.contiguous()
-    return t.view(torch.uint8) if t.dim() > 0 else t.reshape(1).view(torch.uint8)
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:

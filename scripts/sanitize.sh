@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Sanitizer gate: AddressSanitizer + UndefinedBehaviorSanitizer.
+#
+#  1. Builds libkvcache.so and the Catch2 tests with
+#     -fsanitize=address,undefined (flags given to CMake on the command line,
+#     in their own build folder, $KVCACHE_SAN_BUILD, default build/asan) and
+#     runs them under ctest. Any report fails the job: ASan halts on the
+#     first error, UBSan is built with -fno-sanitize-recover=all (every
+#     report aborts), and LeakSanitizer is on for the C++ tests.
+#  2. Runs the Python property tests (tests/python/test_properties.py, the
+#     ci hypothesis profile) and the reliability tests once against that
+#     sanitized library: the ASan runtime is LD_PRELOADed into python (it
+#     must be the first library loaded), and LD_LIBRARY_PATH puts the
+#     sanitized libkvcache.so before the package's own copy. That works
+#     because kvcache._C finds libkvcache.so through DT_RUNPATH ($ORIGIN),
+#     which the loader searches after LD_LIBRARY_PATH. With
+#     KVCACHE_EXPECT_LIB set, a test in test_properties.py reads
+#     /proc/self/maps of the test process: it fails unless the only mapped
+#     libkvcache.so is the sanitized one and the ASan runtime is loaded.
+#     Leak detection is off for python (CPython and torch keep allocations
+#     alive on purpose at exit).
+#
+# Cost on the shared 2-core machine (load average ~7-10 from other work),
+# MAX_JOBS=2: the first sanitizer build 564 s (a rebuild after one .cpp
+# changed: 36-54 s); ctest 17-19 s (12 Catch2 cases, 1.3-1.7 s each, mostly
+# LibTorch start-up under ASan); the Python tests 30-40 s (test_properties
+# ci profile, 300 examples per property, plus test_reliability, 173 tests).
+# The script prints each figure.
+#
+# Proof that it catches a real bug: an off-by-one bound check (start <=
+# max_len - chunk + 1) on a throwaway branch made ctest fail with
+# "AddressSanitizer: heap-buffer-overflow ... WRITE of size 96 ... in
+# copy_block (csrc/cpu/copy_block.h:45) ... copy_slab (csrc/cpu/update.cpp)"
+# in "errors are raised before anything is written", and the Python half
+# abort in test_write_ops_match_slicing with the same report.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# The venv and the package (kvcache._C, built by scripts/setup.sh; CI's
+# test.sh has run it already). Only a missing one is set up here.
+if [ ! -x "${KVCACHE_VENV:-.venv}/bin/python" ] || ! ls python/kvcache/_C*.so >/dev/null 2>&1; then
+  bash scripts/setup.sh >/dev/null
+fi
+# shellcheck disable=SC1091
+. "${KVCACHE_VENV:-.venv}/bin/activate"
+python -c "import hypothesis" 2>/dev/null || pip install -q --disable-pip-version-check "hypothesis==6.168.3"
+
+BUILD=${KVCACHE_SAN_BUILD:-build/asan}
+JOBS=${MAX_JOBS:-$(nproc)}
+SAN="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
+CXX=${CXX:-g++}
+ASAN_RT=$("$CXX" -print-file-name=libasan.so)
+[ -e "$ASAN_RT" ] || { echo "sanitize.sh: no ASan runtime for $CXX ($ASAN_RT)" >&2; exit 1; }
+ASAN_RT=$(readlink -f "$ASAN_RT")
+# libstdc++ is preloaded right after the ASan runtime: python does not link
+# it, and unless it is loaded when ASan starts, ASan's __cxa_throw
+# interceptor has no real function to call and the first C++ exception
+# aborts ("CHECK failed: asan_interceptors.cpp ... real___cxa_throw").
+STDCXX=$(readlink -f "$("$CXX" -print-file-name=libstdc++.so.6)")
+
+t0=$(date +%s)
+echo "== sanitizer build ($BUILD): $SAN"
+cmake -S . -B "$BUILD" -G Ninja \
+  -DCMAKE_CXX_COMPILER="$CXX" \
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g" \
+  -DCMAKE_CXX_FLAGS="$SAN" \
+  -DCMAKE_SHARED_LINKER_FLAGS="$SAN" \
+  -DCMAKE_EXE_LINKER_FLAGS="$SAN" \
+  -DKVCACHE_CUDA=OFF \
+  -DKVCACHE_BUILD_RUNNER=OFF \
+  -DCMAKE_PREFIX_PATH="$(python -c 'import torch; print(torch.utils.cmake_prefix_path)')" >/dev/null
+cmake --build "$BUILD" -j "$JOBS"
+t1=$(date +%s)
+echo "== sanitizer build took $((t1 - t0))s"
+
+# Fail on the first report of any kind; keep the report readable.
+export ASAN_OPTIONS="halt_on_error=1:abort_on_error=1:detect_leaks=1:strict_string_checks=1:detect_stack_use_after_return=1:check_initialization_order=1"
+export UBSAN_OPTIONS="halt_on_error=1:abort_on_error=1:print_stacktrace=1"
+echo "== ctest under ASan/UBSan/LSan"
+ctest --test-dir "$BUILD" --output-on-failure
+t2=$(date +%s)
+echo "== ctest took $((t2 - t1))s"
+
+echo "== Python property + reliability tests against the sanitized library"
+SAN_LIB=$(readlink -f "$BUILD/libkvcache.so")
+export KVCACHE_EXPECT_LIB="$SAN_LIB"
+export KVCACHE_HYPOTHESIS_PROFILE=${KVCACHE_HYPOTHESIS_PROFILE:-ci}
+# Python: no leak detection (see above); everything else as for ctest.
+# pytest -s: a sanitizer report goes straight to stderr (with pytest's
+# capture it would be lost when the process aborts).
+LD_PRELOAD="$ASAN_RT $STDCXX" \
+  LD_LIBRARY_PATH="$(dirname "$SAN_LIB")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+  ASAN_OPTIONS="${ASAN_OPTIONS/detect_leaks=1/detect_leaks=0}" \
+  python -m pytest -q -s -p no:cacheprovider \
+    tests/python/test_properties.py tests/python/test_reliability.py
+t3=$(date +%s)
+echo "== Python tests under ASan took $((t3 - t2))s; sanitizer job total $((t3 - t0))s"

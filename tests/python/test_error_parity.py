@@ -1,0 +1,369 @@
+"""Traced code raises what eager code raises: one table of bad-argument cases.
+
+Every case is run eagerly (the reference), then:
+
+  fake            under FakeTensorMode (the fake kernels, through kvcache._C)
+  export          torch.export.export of a module that makes the call
+  compile         torch.compile(fullgraph=True, backend="eager")
+  compile_dynamic the same with dynamic=True (symbolic sizes in the checks)
+  inductor        torch.compile(fullgraph=True) (the default backend)
+
+and must raise the same exception type with the same message. One
+exception is PyTorch's, not ours: while Dynamo (torch.compile) traces, it
+wraps any exception raised by fake-tensor propagation, for every operator,
+in torch._dynamo.exc.TorchRuntimeError, whose message quotes the original
+as "got ValueError('...')". Under torch.compile the test therefore accepts
+either the exception itself or that wrapper quoting it exactly (type and
+message); under FakeTensorMode and torch.export (which do not wrap) only the
+exception itself.
+
+Cases marked RUNTIME depend on the values of a tensor (a start, lengths, n,
+index or kv_start entry), which do not exist while tracing: they are checked
+by the kernel when the program runs. FakeTensorMode has no values, so they
+run eagerly only there; compiled and exported programs run the kernel, so
+they must raise the same exception when called.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import kvcache  # noqa: F401
+
+ops = torch.ops.kvcache
+B, H, T, D = 2, 2, 8, 4
+INT64_MAX = 2**63 - 1
+
+
+@dataclass
+class Case:
+    id: str
+    fn: Callable
+    args: Callable[[], tuple]  # fresh tensors for every mode
+    runtime: bool = False  # the error depends on tensor values (see module doc)
+    skip: dict = field(default_factory=dict)  # mode -> reason
+    xfail: dict = field(default_factory=dict)  # mode -> reason (strict: passing fails, remove the mark)
+
+
+def cache():
+    return torch.randn(B, H, T, D), torch.randn(B, H, T, D)
+
+
+def new(chunk=2, d=D, dtype=torch.float32):
+    return torch.randn(B, H, chunk, d).to(dtype), torch.randn(B, H, chunk, d).to(dtype)
+
+
+def upd(start):
+    return lambda k, v, kn, vn: ops.update_(k, v, kn, vn, start)
+
+
+def upd_t(k, v, kn, vn, s):
+    return ops.update_.Tensor(k, v, kn, vn, s)
+
+
+def app(k, v, lengths, kn, vn):
+    ops.append_(k, v, lengths, kn, vn)
+
+
+def att(**kw):
+    return lambda q, k, v, lengths: ops.attend(q, k, v, lengths, **kw)
+
+
+def att_ks(q, k, v, lengths, ks):
+    return ops.attend(q, k, v, lengths, kv_start=ks)
+
+
+# rollback and select_rows_ return new lengths: the cases return them, so
+# that a compiler cannot drop the call (and its run-time checks) as dead code.
+def rb(lengths, n):
+    return ops.rollback(lengths, n)
+
+
+def rb_ks(lengths, n, ks):
+    return ops.rollback(lengths, n, kv_start=ks)
+
+
+def sel(k, v, lengths, index):
+    return ops.select_rows_(k, v, lengths, index)
+
+
+def init(*sizes, dtype=None):
+    return lambda: ops.init_layer_cache(*sizes, dtype=dtype)
+
+
+def int_cache():
+    return torch.zeros(B, H, T, D, dtype=torch.int64), torch.zeros(B, H, T, D, dtype=torch.int64)
+
+
+def same_buffer():
+    k, _ = cache()
+    return (k, k, *new())
+
+
+def aliasing_rows():
+    k, v = cache()
+    return (k, v, k[:, :, 3:5], torch.randn(B, H, 2, D))
+
+
+def aliasing_unwritten_rows():
+    k, v = cache()
+    return (k, v, k[:, :, 0:2], v[:, :, 0:2], torch.tensor(4))
+
+
+def start_in_cache():
+    k, v = int_cache()
+    return (k, v, torch.ones(B, H, 1, D, dtype=torch.int64), torch.ones(B, H, 1, D, dtype=torch.int64), k[:, 0, 0, 0])
+
+
+def lengths_aliasing_new():
+    k, v = cache()
+    kn, vn = new(1)
+    kn[:, 0, 0, 0] = 1e30  # as int32 bits: a start far past max_len, so eager also has a bad value to report
+    return (k, v, kn[:, 0, 0, 0].view(torch.int32), kn, vn)
+
+
+def append_lengths_in_cache():
+    k, v = int_cache()
+    one = torch.ones(B, H, 1, D, dtype=torch.int64)
+    return (k, v, k[:, 0, 0, 0], one, one.clone())
+
+
+def lengths_in_cache():
+    k, v = int_cache()
+    return (k, v, v[:, 0, 0, 0], torch.tensor([1, 0]))
+
+
+def huge_cache():
+    big = torch.zeros(1, 1, 1, 1).expand(1, 1, 2**31, 1)
+    return (big, torch.zeros(1, 1, 1, 1).expand(1, 1, 2**31, 1), torch.ones(1, 1, 1, 1), torch.ones(1, 1, 1, 1))
+
+
+def grad(i, t_args):
+    args = list(t_args())
+    args[i] = args[i].clone().requires_grad_(True)
+    return tuple(args)
+
+
+def conj_cache():
+    k = torch.randn(B, H, T, D, dtype=torch.complex64)
+    v = torch.randn(B, H, T, D, dtype=torch.complex64)
+    kn, vn = new(1, dtype=torch.complex64)
+    return (k.conj(), v, kn, vn)
+
+
+def q_(heads=H, seq=1, d=D, dtype=torch.float32):
+    return torch.randn(B, heads, seq, d).to(dtype)
+
+
+
+CASES = [
+    # --- update_ (host start) ---
+    Case("update_/keys_new-3d", upd(0), lambda: (*cache(), torch.randn(B, H, 2), torch.randn(B, H, 2))),
+    Case("update_/keys_new-head_dim", upd(0), lambda: (*cache(), *new(2, D + 1))),
+    Case("update_/values_new-shape", upd(0), lambda: (*cache(), new(2)[0], new(3)[0])),
+    Case("update_/keys_new-dtype", upd(0), lambda: (*cache(), new(2)[0].double(), new(2)[1])),
+    Case("update_/values-dtype", upd(0), lambda: (cache()[0], cache()[1].half(), *new(2))),
+    Case("update_/values-shape", upd(0), lambda: (cache()[0], torch.zeros(B, H, T + 1, D), *new(2))),
+    Case("update_/keys-3d", upd(0), lambda: (torch.zeros(B, H, T), torch.zeros(B, H, T), *new(2))),
+    Case("update_/keys_new-device", upd(0), lambda: (*cache(), new(2)[0].to("meta"), new(2)[1])),
+    Case("update_/start-negative", upd(-1), lambda: (*cache(), *new(2))),
+    Case("update_/start-overflow", upd(T - 1), lambda: (*cache(), *new(2))),
+    Case("update_/start-int64-max", upd(INT64_MAX), lambda: (*cache(), *new(2))),
+    Case("update_/chunk-over-max_len", upd(0), lambda: (*cache(), *new(T + 1))),
+    Case("update_/same-buffer", upd(0), same_buffer),
+    Case("update_/expanded-keys", upd(0), lambda: (torch.zeros(1, H, T, D).expand(B, H, T, D), cache()[1], *new(1))),
+    Case("update_/keys_new-aliases-written-rows", upd(4), aliasing_rows),
+    Case("update_/keys_new-sparse", upd(0), lambda: (*cache(), new(1)[0].to_sparse(), new(1)[1]),
+         skip={m: "Dynamo refuses sparse inputs itself (Unsupported: torch.compile does not support sparse Tensors)"
+               for m in ("compile", "compile_dynamic", "inductor")}),
+    Case("update_/keys-requires-grad", upd(0), lambda: grad(0, lambda: (*cache(), *new(1)))),
+    Case("update_/keys_new-requires-grad", upd(0), lambda: grad(2, lambda: (*cache(), *new(1)))),
+    Case("update_/keys-conj", upd(0), conj_cache),
+    Case("update_/max_len-2^31", upd(0), huge_cache),
+    # --- update_.Tensor (start tensor) ---
+    Case("update_.Tensor/start-float", upd_t, lambda: (*cache(), *new(1), torch.tensor(1.0))),
+    Case("update_.Tensor/start-shape", upd_t, lambda: (*cache(), *new(1), torch.zeros(B + 1, dtype=torch.int64))),
+    Case("update_.Tensor/start-device", upd_t, lambda: (*cache(), *new(1), torch.tensor(0, device="meta"))),
+    Case("update_.Tensor/start-in-cache", upd_t, start_in_cache),
+    Case("update_.Tensor/new-data-reads-the-cache", upd_t, aliasing_unwritten_rows),
+    Case("update_.Tensor/start-negative", upd_t, lambda: (*cache(), *new(1), torch.tensor([0, -1])), runtime=True),
+    Case("update_.Tensor/start-int64-max", upd_t, lambda: (*cache(), *new(1), torch.tensor([0, INT64_MAX])),
+         runtime=True),
+    Case("update_.Tensor/start-int32-overflow", upd_t,
+         lambda: (*cache(), *new(2), torch.tensor(T - 1, dtype=torch.int32)), runtime=True),
+    # --- append_ ---
+    Case("append_/lengths-float", app, lambda: (*cache(), torch.tensor(0.0), *new(1))),
+    Case("append_/lengths-expanded", app, lambda: (*cache(), torch.zeros(1, dtype=torch.int64).expand(B), *new(1))),
+    Case("append_/lengths-shape", app, lambda: (*cache(), torch.zeros(B, 1, dtype=torch.int64), *new(1))),
+    Case("append_/lengths-aliases-keys_new", app, lengths_aliasing_new),
+    Case("append_/lengths-in-cache", app, append_lengths_in_cache),
+    Case("append_/lengths-overflow", app, lambda: (*cache(), torch.tensor([T, 0]), *new(1)), runtime=True),
+    Case("append_/lengths-int64-max", app, lambda: (*cache(), torch.tensor(INT64_MAX), *new(1)), runtime=True),
+    # --- attend ---
+    Case("attend/q-3d", att(), lambda: (torch.randn(B, H, D), *cache(), torch.tensor(3))),
+    Case("attend/q-head_dim", att(), lambda: (q_(d=D + 1), *cache(), torch.tensor(3))),
+    Case("attend/values-shape", att(), lambda: (q_(), cache()[0], torch.zeros(B, H, T + 1, D), torch.tensor(3))),
+    Case("attend/q-heads-not-multiple", att(), lambda: (q_(heads=3), *cache(), torch.tensor(3))),
+    Case("attend/q-dtype-int", att(), lambda: (q_().to(torch.int32), *cache(), torch.tensor(3))),
+    Case("attend/keys-dtype", att(), lambda: (q_(), cache()[0].half(), cache()[1], torch.tensor(3))),
+    Case("attend/scale-zero", att(scale=0.0), lambda: (q_(), *cache(), torch.tensor(3))),
+    Case("attend/scale-nan", att(scale=float("nan")), lambda: (q_(), *cache(), torch.tensor(3))),
+    Case("attend/window-negative", att(window=-1), lambda: (q_(), *cache(), torch.tensor(3))),
+    Case("attend/softcap-inf", att(softcap=float("inf")), lambda: (q_(), *cache(), torch.tensor(3))),
+    Case("attend/lengths-float", att(), lambda: (q_(), *cache(), torch.tensor(3.0))),
+    Case("attend/kv_start-shape", att_ks, lambda: (q_(), *cache(), torch.tensor(3), torch.zeros(B + 1, dtype=torch.int64))),
+    Case("attend/q-requires-grad", att(), lambda: grad(0, lambda: (q_(), *cache(), torch.tensor(3)))),
+    Case("attend/max_len-2^31", att(), lambda: (torch.ones(1, 1, 1, 1), *huge_cache()[:2], torch.tensor(1))),
+    Case("attend/lengths-below-seq", att(), lambda: (q_(seq=3), *cache(), torch.tensor([3, 2])), runtime=True),
+    Case("attend/lengths-over-max_len", att(), lambda: (q_(), *cache(), torch.tensor(T + 1)), runtime=True),
+    Case("attend/kv_start-over-lengths", att_ks, lambda: (q_(), *cache(), torch.tensor(3), torch.tensor([0, 4])),
+         runtime=True),
+    # --- rollback ---
+    Case("rollback_/lengths-float", rb, lambda: (torch.tensor([3.0, 4.0]), torch.tensor(1))),
+    Case("rollback_/lengths-2d", rb, lambda: (torch.zeros(2, 2, dtype=torch.int64), torch.tensor(1))),
+    Case("rollback_/n-shape", rb, lambda: (torch.tensor([3, 4]), torch.tensor([1, 1, 1]))),
+    Case("rollback_/kv_start-float", rb_ks, lambda: (torch.tensor([3, 4]), torch.tensor(1), torch.tensor([0.0, 0.0]))),
+    Case("rollback_/n-over-lengths", rb, lambda: (torch.tensor([3, 4]), torch.tensor([1, 5])), runtime=True),
+    Case("rollback_/n-negative", rb, lambda: (torch.tensor([3, 4]), torch.tensor(-1)), runtime=True),
+    Case("rollback_/kv_start-over-lengths", rb_ks, lambda: (torch.tensor([3, 4]), torch.tensor(0), torch.tensor([0, 9])),
+         runtime=True),
+    # --- select_rows_ ---
+    Case("select_rows_/index-0d", sel, lambda: (*cache(), torch.tensor([1, 1]), torch.tensor(0))),
+    Case("select_rows_/index-float", sel, lambda: (*cache(), torch.tensor([1, 1]), torch.tensor([0.0, 1.0]))),
+    Case("select_rows_/lengths-shape", sel, lambda: (*cache(), torch.tensor([1, 1, 1]), torch.tensor([0, 1]))),
+    Case("select_rows_/lengths-in-cache", sel, lengths_in_cache),
+    Case("select_rows_/index-out-of-range", sel, lambda: (*cache(), torch.tensor([1, 1]), torch.tensor([0, 2])),
+         runtime=True),
+    Case("select_rows_/lengths-over-max_len", sel, lambda: (*cache(), torch.tensor([1, T + 1]), torch.tensor([1, 0])),
+         runtime=True),
+    # --- init_layer_cache ---
+    Case("init_layer_cache/negative-batch", init(-1, 2, 4, 8), lambda: ()),
+    Case("init_layer_cache/max_len-2^31", init(1, 1, 1, 2**31), lambda: ()),
+    Case("init_layer_cache/quantized-dtype", init(1, 1, 1, 1, dtype=torch.qint8), lambda: ()),
+    Case("init_layer_cache/bytes-overflow", init(2**20, 2**20, 2**20, 2**10), lambda: ()),
+]
+
+MODES = ["fake", "export", "compile", "compile_dynamic", "inductor"]
+
+
+def run_eager(case):
+    args = case.args()
+    with pytest.raises(Exception) as info:
+        case.fn(*args)
+    return info.value
+
+
+def run_mode(case, mode):
+    args = case.args()
+    if mode == "fake":
+        with FakeTensorMode(allow_non_fake_inputs=False) as m:
+            fakes = [m.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+            case.fn(*fakes)
+        return
+    if mode == "export":
+
+        class M(torch.nn.Module):
+            def forward(self, *xs):
+                return case.fn(*xs)
+
+        ep = torch.export.export(M(), tuple(args))
+        ep.module()(*case.args())  # RUNTIME cases raise here
+        return
+    torch._dynamo.reset()
+    kw = dict(fullgraph=True)
+    if mode == "compile":
+        kw["backend"] = "eager"
+    elif mode == "compile_dynamic":
+        kw.update(backend="eager", dynamic=True)
+    torch.compile(case.fn, **kw)(*args)
+
+
+def same_error(ref: BaseException, got: BaseException, mode: str) -> bool:
+    if type(got) is type(ref) and str(got) == str(ref):
+        return True
+    # Dynamo's wrapper (see the module docstring): exact type and message quoted.
+    return mode.startswith(("compile", "inductor")) and isinstance(got, torch._dynamo.exc.TorchRuntimeError) and (
+        f"got {ref!r}" in str(got)
+    )
+
+
+def _params():
+    for case in CASES:
+        for mode in MODES:
+            marks = [pytest.mark.xfail(strict=True, reason=case.xfail[mode])] if mode in case.xfail else []
+            yield pytest.param(case, mode, id=f"{case.id}-{mode}", marks=marks)
+
+
+@pytest.mark.parametrize("case,mode", list(_params()))
+def test_traced_error_is_eager_error(case, mode):
+    if mode in case.skip:
+        pytest.skip(case.skip[mode])
+
+    if mode == "fake" and case.runtime:
+        pytest.skip("RUNTIME: the values do not exist under FakeTensorMode (checked by the kernel at run time)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = run_eager(case)
+        assert isinstance(ref, (ValueError, TypeError, RuntimeError)), ref
+        with pytest.raises(Exception) as info:
+            run_mode(case, mode)
+    got = info.value
+    assert same_error(ref, got, mode), f"eager: {type(ref).__name__}({ref})\n{mode}: {type(got).__name__}({got})"
+
+
+def test_table_covers_every_operator():
+    names = {c.id.split("/")[0] for c in CASES}
+    assert names == {"update_", "update_.Tensor", "append_", "attend", "rollback_", "select_rows_", "init_layer_cache"}
+    assert all(isinstance(run_eager(c), (ValueError, TypeError)) for c in CASES if "requires-grad" not in c.id)
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("start", [T - 1, -1])
+def test_data_dependent_start_raises_eager_error(backend, start):
+    """A start computed from tensor data (an unbacked SymInt while tracing) is checked by the kernel
+    when the program runs, with eager's exception: no "Runtime assertion failed for expression u0 <= 6"."""
+    k, v = cache()
+    kn, vn = new(2)
+
+    def step(k, v, kn, vn, s):
+        return ops.update_(k, v, kn, vn, (s + 0).sum().item())
+
+    with pytest.raises(Exception) as ref:
+        step(k, v, kn, vn, torch.tensor([start]))
+    torch._dynamo.reset()
+    before = k.clone()
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        compiled = torch.compile(step, fullgraph=True, backend=backend)
+        with pytest.raises(type(ref.value)) as got:
+            compiled(k, v, kn, vn, torch.tensor([start]))
+        assert str(got.value) == str(ref.value)
+        assert torch.equal(k, before)
+        compiled(k, v, kn, vn, torch.tensor([3]))  # the same program, a valid start
+    assert torch.equal(k[:, :, 3:5], kn)
+
+
+def test_compiled_changing_start_may_read_rows_not_written():
+    """update_ with a host start may read cache rows it does not write (eager allows it). Under
+    torch.compile the start becomes symbolic after it changes (automatic dynamic): the fake kernel
+    must still decide on the rows (not refuse every view of the cache)."""
+    k, v = cache()
+
+    def step(k, v, start):
+        return ops.update_(k, v, k[:, :, 0:1], v[:, :, 0:1], start)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    for start in (2, 3, 4, 5):
+        ek, ev = k.clone(), v.clone()
+        ek[:, :, start] = ek[:, :, 0]
+        ev[:, :, start] = ev[:, :, 0]
+        compiled(k, v, start)
+        assert torch.equal(k, ek) and torch.equal(v, ev)
+    with pytest.raises(Exception, match="keys_new must not share memory with the rows of keys that it is written to"):
+        compiled(k, v, 0)  # row 0 is read and written: refused, as eagerly
