@@ -7,11 +7,14 @@
 // loops exist twice, for the baseline ISA and for AVX2/FMA/F16C (chosen at
 // run time: the build passes no -march flag), see attend_vec.h.
 //
-// Threads: one OpenMP region costs from microseconds to milliseconds on a
-// loaded machine, so a call goes parallel only when its estimated work is
-// well above that (kParallelWork); a decode step over a short cache runs on
-// the calling thread. Inside the region the threads take tasks from a shared
-// counter, longest first (rows are ragged, causal tiles uneven).
+// Threads: a call goes parallel only when its estimated work is well above
+// the cost of waking a thread (kParallelWork); a decode step over a short
+// cache runs on the calling thread. The helpers come from ATen's inter-op
+// pool and join when they get a core, so the caller never waits for a
+// thread that is not running (an OpenMP region does, which costs
+// milliseconds on a loaded machine; see run_with_helpers). All threads take
+// tasks from one counter, longest first (rows are ragged, causal tiles
+// uneven).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -19,8 +22,11 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <limits>
+#include <memory>
 #include <numeric>
+#include <thread>
 #include <vector>
 
 #include "../ops/attend.h"
@@ -51,9 +57,10 @@ namespace {
 // key/value block from L1 many times, few enough to keep the scores,
 // outputs and queries of the task in L2.
 constexpr int64_t kTileRows = 64;
-// Estimated work (see work_of) above which a call uses the thread pool;
-// about 0.5 ms of single-thread work on a 3 GHz AVX2 core.
-constexpr double kParallelWork = 1.5e6;
+// Estimated work (see work_of) above which a call uses helper threads:
+// about 0.2 ms of single-thread work on an AVX2 core, against tens of
+// microseconds to wake a helper.
+constexpr double kParallelWork = 8e5;
 // A split of a row's slots is at least this long (a multiple of kBlock).
 constexpr int64_t kMinSplit = 8 * kBlock;
 // Tasks per thread the splitting aims for (load balance).
@@ -85,7 +92,7 @@ void visible(const AttendParams& p, int64_t b, int64_t i, int64_t& lo, int64_t& 
   hi = std::max(lo, pos + 1);
 }
 
-// Cost model of a task, in units of about 1/3 ns: two passes of
+// Cost model of a task, in units of about 1/4 ns: two passes of
 // rows x slots x head_dim multiply-adds (8 per vector op, about 2 vector ops
 // a cycle), plus reading each slot's key and value (streamed from memory
 // for long rows).
@@ -129,6 +136,55 @@ void merge_parts(const Plan& plan, int64_t b, int64_t kvh, int64_t first_part, i
     T* dst = static_cast<T*>(p.out) + b * p.out_stride[0] + (kvh * G + g) * p.out_stride[1] +
              i * p.out_stride[2];
     for (int64_t d = 0; d < D; ++d) dst[d * p.out_stride[3]] = static_cast<T>(acc[d] * inv);
+  }
+}
+
+// Shared by the caller and its helpers; outlives the call (a helper that
+// starts late still reads it).
+struct Crew {
+  std::atomic<int64_t> next{0};      // next task to take
+  std::atomic<int64_t> active{0};    // helpers inside the work
+  std::atomic<bool> closed{false};   // the caller is done: late helpers leave
+};
+
+// Runs `work` on the calling thread and on up to `helpers` threads of ATen's
+// inter-op pool (at::launch), all taking tasks from one counter. Unlike an
+// OpenMP region (at::parallel_for), the caller never waits for a helper that
+// has not started: on a loaded machine a woken thread can wait a whole time
+// slice (milliseconds) for a core, and the caller would wait with it. The
+// caller does all the work if no helper shows up; it waits only for helpers
+// that are inside a task. `work(closed, next)` must return at once when
+// `closed` is set (it then touches nothing the caller owns).
+template <typename Work>
+void run_with_helpers(int64_t helpers, const Work& work) {
+  auto crew = std::make_shared<Crew>();
+  for (int64_t h = 0; h < helpers; ++h) {
+    at::launch([crew, &work] {
+      // Seq-cst order: either the caller sees this helper in `active`, or
+      // the helper sees `closed` and touches nothing of the caller's.
+      crew->active.fetch_add(1);
+      if (!crew->closed.load()) {
+        try {
+          work(crew->closed, crew->next);
+        } catch (...) {
+          // Scratch allocation failed: the other threads take the tasks.
+        }
+      }
+      crew->active.fetch_sub(1);
+    });
+  }
+  std::exception_ptr error;
+  try {
+    static const std::atomic<bool> open{false};
+    work(open, crew->next);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  crew->closed.store(true);
+  while (crew->active.load() != 0) std::this_thread::yield();
+  if (error) {
+    // Tasks the caller took and did not finish are lost: fail the call.
+    std::rethrow_exception(error);
   }
 }
 
@@ -241,10 +297,11 @@ void attend_typed(const AttendParams& p) {
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(),
                      [&](int64_t a, int64_t b) { return work[a] > work[b]; });
-    std::atomic<int64_t> next{0};
-    const int64_t n = static_cast<int64_t>(tasks.size());
-    at::parallel_for(0, std::min(threads, n), 1, [&](int64_t, int64_t) {
+    const int64_t helpers = std::min<int64_t>(threads, static_cast<int64_t>(tasks.size())) - 1;
+    run_with_helpers(helpers, [&](const std::atomic<bool>& closed, std::atomic<int64_t>& next) {
+      if (closed.load()) return;
       Scratch scratch(plan);
+      const int64_t n = static_cast<int64_t>(tasks.size());
       for (int64_t x = next.fetch_add(1); x < n; x = next.fetch_add(1)) {
         task_fn(plan, tasks[order[x]], scratch);
       }

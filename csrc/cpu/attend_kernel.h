@@ -31,28 +31,28 @@ inline void qk_tile(const float* q, int64_t ldq, const TK* k, int64_t ldk,
   for (int x = 0; x < R * C; ++x) acc[x] = Vec::zero();
   for (int64_t d = 0; d < dim; d += 8) {
     V kv[C];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int c = 0; c < C; ++c) kv[c] = Vec::load(k + c * ldk + d);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       V qv = Vec::load(q + r * ldq + d);
       Vec::pin(qv);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
       for (int c = 0; c < C; ++c) acc[r * C + c] = Vec::fma(qv, kv[c], acc[r * C + c]);
     }
   }
   if constexpr (R * C == 8) {
     float out[8];
     Vec::hsum8(acc, out);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 8
+#pragma GCC unroll 16
       for (int c = 0; c < C; ++c) s[r * lds + c] = out[r * C + c];
     }
   } else {
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 8
+#pragma GCC unroll 16
       for (int c = 0; c < C; ++c) s[r * lds + c] = Vec::reduce_add(acc[r * C + c]);
     }
   }
@@ -119,36 +119,43 @@ inline void pv_tile(const float* p, int64_t ldp, const TV* v, int64_t ldv,
                     int64_t n, float* o, int64_t ldo, const float* alpha) {
   using V = typename Vec::V;
   V acc[R * W];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     const V a = Vec::set1(alpha[r]);
-#pragma GCC unroll 4
+#pragma GCC unroll 16
     for (int w = 0; w < W; ++w) acc[r * W + w] = Vec::mul(Vec::load(o + r * ldo + 8 * w), a);
   }
   for (int64_t j = 0; j < n; ++j) {
     V vv[W];
-#pragma GCC unroll 4
+#pragma GCC unroll 16
     for (int w = 0; w < W; ++w) vv[w] = Vec::load(v + j * ldv + 8 * w);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const V pb = Vec::set1(p[r * ldp + j]);
-#pragma GCC unroll 4
+#pragma GCC unroll 16
       for (int w = 0; w < W; ++w) acc[r * W + w] = Vec::fma(pb, vv[w], acc[r * W + w]);
     }
   }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
+#pragma GCC unroll 16
     for (int w = 0; w < W; ++w) Vec::store(o + r * ldo + 8 * w, acc[r * W + w]);
   }
 }
 
+// R rows over all of head_dim. Fewer rows take wider tiles: each
+// accumulator is one FMA dependency chain through the slot loop, and two
+// FMA units with a latency of 4 need about 8 chains to stay busy.
 template <int R, typename TV>
 inline void pv_rows(const float* p, int64_t ldp, const TV* v, int64_t ldv,
                     int64_t n, float* o, int64_t ldo, const float* alpha,
                     int64_t dim) {
+  constexpr int W = R == 1 ? 8 : R == 2 ? 4 : 2;
   int64_t d = 0;
-  for (; d + 16 <= dim; d += 16) pv_tile<R, 2>(p, ldp, v + d, ldv, n, o + d, ldo, alpha);
+  for (; d + 8 * W <= dim; d += 8 * W) pv_tile<R, W>(p, ldp, v + d, ldv, n, o + d, ldo, alpha);
+  if constexpr (W > 2) {
+    for (; d + 16 <= dim; d += 16) pv_tile<R, 2>(p, ldp, v + d, ldv, n, o + d, ldo, alpha);
+  }
   if (d < dim) pv_tile<R, 1>(p, ldp, v + d, ldv, n, o + d, ldo, alpha);
 }
 
@@ -262,6 +269,11 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
 
   const T* kbase = static_cast<const T*>(p.k) + t.b * p.k_stride[0] + t.kvh * p.k_stride[1];
   const T* vbase = static_cast<const T*>(p.v) + t.b * p.v_stride[0] + t.kvh * p.v_stride[1];
+  if (plan.fast_v && task_lo < task_hi) {  // the first block's values, read after its scores
+    prefetch_rows(reinterpret_cast<const char*>(vbase + task_lo * p.v_stride[2]),
+                  p.v_stride[2] * int64_t(sizeof(T)), 0, std::min(kBlock, task_hi - task_lo),
+                  D * int64_t(sizeof(T)));
+  }
   for (int64_t c0 = task_lo; c0 < task_hi; c0 += kBlock) {
     const int64_t cend = std::min(c0 + kBlock, task_hi);
     // Positions that see part of [c0, cend): a contiguous run [ta, tb).
