@@ -36,6 +36,11 @@
 namespace kvcache {
 namespace attend_cpu {
 
+// VecGeneric's 32-byte vectors pass by value between inline functions;
+// GCC's note that their ABI differs without AVX concerns library
+// boundaries, which they never cross. Templates are instantiated at the end
+// of the file, so the note is silenced for all of it.
+#pragma GCC diagnostic ignored "-Wpsabi"
 namespace isa_generic {
 using Vec = VecGeneric;
 #include "attend_kernel.h"  // NOLINT(build/include): instantiated per ISA

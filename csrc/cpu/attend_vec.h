@@ -33,80 +33,97 @@
 namespace kvcache {
 namespace attend_cpu {
 
-// Portable: plain loops over eight lanes (GCC vectorizes most of them for
-// the baseline ISA). The fallback on machines without AVX2, and a second
+// Portable: GCC/Clang vector extensions (eight floats; two SSE2 or NEON
+// registers), the same algorithms as VecAvx2 in plain vector arithmetic.
+// The kernel on machines without AVX2 (aarch64 included), and a second
 // implementation the tests can force (KVCACHE_ATTEND_ISA=generic).
+// 32-byte vectors passed by value between inline functions: the ABI note
+// GCC gives for them without AVX does not apply (nothing crosses a library
+// boundary).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
 struct VecGeneric {
-  struct V {
-    float v[8];
-  };
+  typedef float V __attribute__((vector_size(32)));
+  typedef int32_t I __attribute__((vector_size(32)));
   static constexpr const char* kName = "generic";
 
   static inline V zero() { return set1(0.f); }
-  static inline V set1(float x) {
-    V r;
-    for (int i = 0; i < 8; ++i) r.v[i] = x;
-    return r;
-  }
+  static inline V set1(float x) { return V{x, x, x, x, x, x, x, x}; }
   static inline V load(const float* p) {
     V r;
-    std::memcpy(r.v, p, sizeof(r.v));
+    std::memcpy(&r, p, sizeof(r));
     return r;
   }
   static inline V load(const c10::BFloat16* p) {
-    V r;
-    for (int i = 0; i < 8; ++i) r.v[i] = static_cast<float>(p[i]);
-    return r;
+    uint16_t h[8];
+    std::memcpy(h, p, sizeof(h));
+    const I w = I{h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]} << 16;  // the top half of a float32
+    return (V)w;
   }
   static inline V load(const c10::Half* p) {
     V r;
-    for (int i = 0; i < 8; ++i) r.v[i] = static_cast<float>(p[i]);
+    for (int i = 0; i < 8; ++i) r[i] = static_cast<float>(p[i]);
     return r;
   }
-  static inline void store(float* p, V a) { std::memcpy(p, a.v, sizeof(a.v)); }
+  static inline void store(float* p, V a) { std::memcpy(p, &a, sizeof(a)); }
   static inline void pin(V&) {}
-  static inline V add(V a, V b) {
-    for (int i = 0; i < 8; ++i) a.v[i] += b.v[i];
-    return a;
-  }
-  static inline V sub(V a, V b) {
-    for (int i = 0; i < 8; ++i) a.v[i] -= b.v[i];
-    return a;
-  }
-  static inline V mul(V a, V b) {
-    for (int i = 0; i < 8; ++i) a.v[i] *= b.v[i];
-    return a;
-  }
-  static inline V fma(V a, V b, V c) {
-    for (int i = 0; i < 8; ++i) c.v[i] += a.v[i] * b.v[i];
-    return c;
-  }
-  static inline V max(V a, V b) {
-    for (int i = 0; i < 8; ++i) a.v[i] = a.v[i] < b.v[i] ? b.v[i] : a.v[i];
-    return a;
-  }
+  static inline V add(V a, V b) { return a + b; }
+  static inline V sub(V a, V b) { return a - b; }
+  static inline V mul(V a, V b) { return a * b; }
+  static inline V fma(V a, V b, V c) { return a * b + c; }
+  // Lanes of b where the mask (all ones / all zeros) is set, else of a.
+  static inline V select(I mask, V b, V a) { return (V)(((I)b & mask) | ((I)a & ~mask)); }
+  static inline V max(V a, V b) { return select(a < b, b, a); }
   static inline float reduce_add(V a) {
-    float s = 0.f;
-    for (int i = 0; i < 8; ++i) s += a.v[i];
-    return s;
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
   }
   static inline float reduce_max(V a) {
-    float m = a.v[0];
-    for (int i = 1; i < 8; ++i) m = m < a.v[i] ? a.v[i] : m;
+    float m = a[0];
+    for (int i = 1; i < 8; ++i) m = m < a[i] ? a[i] : m;
     return m;
   }
   static inline void hsum8(const V* in, float* out) {
     for (int k = 0; k < 8; ++k) out[k] = reduce_add(in[k]);
   }
-  static inline V exp2(V a) {
-    for (int i = 0; i < 8; ++i) a.v[i] = std::exp2(a.v[i]);
-    return a;
+  // As VecAvx2::exp2; round-to-nearest by adding and removing 1.5 * 2^23.
+  static inline V exp2(V x) {
+    const V lo = set1(-126.f), hi = set1(127.f), magic = set1(12582912.f);
+    const I under = x < lo;
+    V xc = select(x < lo, lo, x);  // NaN compares false and stays
+    xc = select(xc > hi, hi, xc);
+    const V shifted = xc + magic;
+    const V n = shifted - magic;
+    const V f = xc - n;
+    V p = set1(1.5252733804059838e-05f);
+    p = p * f + set1(1.5403530393381606e-04f);
+    p = p * f + set1(1.3333558146428441e-03f);
+    p = p * f + set1(9.618129107628477e-03f);
+    p = p * f + set1(5.5504108664821576e-02f);
+    p = p * f + set1(2.402265069591007e-01f);
+    p = p * f + set1(6.931471805599453e-01f);
+    p = p * f + set1(1.f);
+    const I e = (((I)shifted - (I)magic) + 127) << 23;
+    return (V)((I)(p * (V)e) & ~under);
   }
-  static inline V tanh(V a) {
-    for (int i = 0; i < 8; ++i) a.v[i] = std::tanh(a.v[i]);
-    return a;
+  // As VecAvx2::tanh.
+  static inline V tanh(V x) {
+    const I sign = (I)set1(-0.f);
+    const V ax = (V)((I)x & ~sign);
+    const V one = set1(1.f);
+    const V e = exp2(ax * set1(-2.8853900817779268f));
+    const V big = (one - e) / (one + e);
+    const V x2 = ax * ax;
+    V p = set1(-1382.f / 155925.f);
+    p = p * x2 + set1(62.f / 2835.f);
+    p = p * x2 + set1(-17.f / 315.f);
+    p = p * x2 + set1(2.f / 15.f);
+    p = p * x2 + set1(-1.f / 3.f);
+    p = p * x2 + one;
+    const V r = select(ax < set1(0.3f), p * ax, big);
+    return (V)((I)r | ((I)x & sign));
   }
 };
+#pragma GCC diagnostic pop
 
 #if KVCACHE_ATTEND_X86
 #pragma GCC push_options

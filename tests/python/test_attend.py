@@ -326,8 +326,9 @@ def test_portable_kernel(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     if _cpu_has_avx2():
-        # The two kernels round differently (polynomial vs libm exp2): the
-        # subprocess really ran the other one.
+        # The two kernels round differently (separate multiply and add
+        # against FMA, other summation orders): the subprocess really ran
+        # the other one.
         here = [
             check(2, 8, 2, 7, 64, 150, [150, 40], dt, kv_start=[3, 0], window=100, softcap=5.0)[0]
             for dt in (torch.float32,)
