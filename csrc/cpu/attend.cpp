@@ -107,7 +107,6 @@ double work_of(const Plan& plan, int64_t rows, int64_t slots, int64_t elem_bytes
   return flops + bytes + 200.0;
 }
 
-template <typename T>
 using TaskFn = void (*)(const Plan&, const Task&, Scratch&);
 
 // Combines the splits of a row: out = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s.
@@ -136,7 +135,8 @@ void merge_parts(const Plan& plan, int64_t b, int64_t kvh, int64_t first_part, i
         for (int64_t d = 0; d < D; ++d) acc[d] += w * o[d];
       }
     }
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    // No part saw a slot (left padding): zeros. A NaN in the data stays NaN.
+    const float inv = mx == -std::numeric_limits<float>::infinity() ? 0.f : 1.f / sum;
     const int64_t i = r / G, g = r % G;
     T* dst = static_cast<T*>(p.out) + b * p.out_stride[0] + (kvh * G + g) * p.out_stride[1] +
              i * p.out_stride[2];
@@ -209,7 +209,7 @@ void attend_typed(const AttendParams& p) {
   } else {
     plan.qscale = p.scale * kLog2e;
   }
-  const TaskFn<T> task_fn =
+  const TaskFn task_fn =
 #if KVCACHE_ATTEND_X86
       use_avx2() ? &isa_avx2::run_task<T> :
 #endif

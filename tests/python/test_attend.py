@@ -87,6 +87,22 @@ def poison_(t, unused):
             t[r, :, idx] = vals[:, idx]
 
 
+@pytest.mark.parametrize("threads,T", [(1, 300), (2, 9000)], ids=["serial", "split"])
+def test_nan_in_a_visible_slot_propagates(threads, T):
+    """A NaN key that a query sees makes that query's output NaN (as SDPA does), not 0."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q = make_q(1, 8, 3, 64, torch.float32)
+        keys, values = make_kv(1, 1, T, 64, torch.float32)
+        keys[0, 0, T - 2, 5] = float("nan")  # seen by the last two queries only
+        out = ATTEND(q, keys, values, torch.tensor([T], dtype=torch.int32))
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.isfinite(out[:, :, 0]).all()
+    assert torch.isnan(out[:, :, 1:]).all()
+
+
 # ------------------------------------------------------------- layouts ---
 
 
