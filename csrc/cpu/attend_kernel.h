@@ -15,8 +15,8 @@
 //                      vectorized along head_dim, keys read in place);
 //   online softmax     per row, in base 2: running max m, sum l, weights
 //                      P = 2^(S - m) in S, rescale factor alpha;
-//   O = alpha O + P V  broadcast micro-kernel (R rows x 16 columns of
-//                      head_dim, values read in place).
+//   O = alpha O + P V  broadcast micro-kernel (R rows x 16 to 64 columns
+//                      of head_dim, values read in place).
 //
 // Only slots some query of the task may see are read: [kv_start, length)
 // at most, cut to the queries' causal and window limits. A slot another
