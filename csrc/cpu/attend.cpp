@@ -1,164 +1,321 @@
 // CPU work of attend (see csrc/ops/attend.h).
 //
-// One task per (batch row, KV head, tile of query positions): the query
-// heads that share the KV head (grouped-query attention) and the tile's
-// positions form the task's query rows, so each cached row is read once per
-// group, not once per query head. Online softmax in float32 over the visible
-// slots only; bfloat16/float16 rows are widened to float32 as they are read.
+// Flash-decoding on the CPU: tasks of (batch row, KV head, tile of query
+// positions, range of slots), each an online softmax over the slots its
+// queries see (attend_kernel.h); rows long enough to leave threads idle are
+// split along their slots, and the splits merged at the end. The inner
+// loops exist twice, for the baseline ISA and for AVX2/FMA/F16C (chosen at
+// run time: the build passes no -march flag), see attend_vec.h.
+//
+// Threads: a call goes parallel only when its estimated work is well above
+// the cost of waking a thread (kParallelWork); a decode step over a short
+// cache runs on the calling thread. The helpers come from ATen's inter-op
+// pool and join when they get a core, so the caller never waits for a
+// thread that is not running (an OpenMP region does, which costs
+// milliseconds on a loaded machine; see run_with_helpers). All threads take
+// tasks from one counter, longest first (rows are ragged, causal tiles
+// uneven).
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
 #include <limits>
+#include <memory>
+#include <numeric>
+#include <thread>
 #include <vector>
 
 #include "../ops/attend.h"
+#include "attend_plan.h"
+#include "attend_vec.h"
 
 namespace kvcache {
+namespace attend_cpu {
+
+// VecGeneric's 32-byte vectors pass by value between inline functions;
+// GCC's note that their ABI differs without AVX concerns library
+// boundaries, which they never cross. Templates are instantiated at the end
+// of the file, so the note is silenced for all of it.
+#pragma GCC diagnostic ignored "-Wpsabi"
+namespace isa_generic {
+using Vec = VecGeneric;
+#include "attend_kernel.h"  // NOLINT(build/include): instantiated per ISA
+}  // namespace isa_generic
+
+#if KVCACHE_ATTEND_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace isa_avx2 {
+using Vec = VecAvx2;
+#include "attend_kernel.h"  // NOLINT(build/include): instantiated per ISA
+}  // namespace isa_avx2
+#pragma GCC pop_options
+#endif
+
 namespace {
 
-using detail::AttendParams;
+// Query rows (group x positions) a task aims for: enough to reuse each
+// key/value block from L1 many times, few enough to keep the scores,
+// outputs and queries of the task in L2.
+constexpr int64_t kTileRows = 64;
+// Estimated work (see work_of) above which a call uses helper threads:
+// about 0.2 ms of single-thread work on an AVX2 core, against tens of
+// microseconds to wake a helper.
+constexpr double kParallelWork = 8e5;
+// A split of a row's slots is at least this long (a multiple of kBlock).
+constexpr int64_t kMinSplit = 8 * kBlock;
+// Tasks per thread the splitting aims for (load balance).
+constexpr int64_t kTasksPerThread = 4;
 
-constexpr int64_t kQueryTile = 16;   // query positions per task
-constexpr int64_t kSlotBlock = 64;   // cached slots widened at a time
-constexpr int64_t kParallelFlops = int64_t{1} << 22;
-
-template <typename T>
-inline float widen(T x) {
-  return static_cast<float>(x);
+bool use_avx2() {
+#if KVCACHE_ATTEND_X86
+  static const bool ok = [] {
+    // KVCACHE_ATTEND_ISA=generic forces the portable code (tests use it).
+    const char* env = std::getenv("KVCACHE_ATTEND_ISA");
+    if (env != nullptr && std::strcmp(env, "generic") == 0) return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+  }();
+  return ok;
+#else
+  return false;
+#endif
 }
 
-template <typename T>
-void load_row(const T* src, int64_t stride, int64_t n, float* dst) {
-  for (int64_t d = 0; d < n; ++d) dst[d] = widen(src[d * stride]);
-}
-
-template <typename T>
-void store_row(const float* src, float scale, T* dst, int64_t stride,
-               int64_t n) {
-  for (int64_t d = 0; d < n; ++d) dst[d * stride] = static_cast<T>(src[d] * scale);
-}
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t d = 0; d < n; ++d) s += a[d] * b[d];
-  return s;
-}
-
-inline void axpy(float a, const float* x, float* y, int64_t n) {
-#pragma omp simd
-  for (int64_t d = 0; d < n; ++d) y[d] += a * x[d];
-}
-
-template <typename T>
-void attend_task(const AttendParams& p, int64_t b, int64_t kvh, int64_t i0,
-                 int64_t i1) {
-  const int64_t group = p.num_heads / p.kv_heads;
-  const int64_t D = p.head_dim;
+// Visible slots [lo, hi) of the query at position i of row b (lo == hi:
+// none).
+void visible(const AttendParams& p, int64_t b, int64_t i, int64_t& lo, int64_t& hi) {
   const int64_t len = p.host_lengths[b];
-  const int64_t first = p.host_kv_start ? p.host_kv_start[b] : 0;
-  const int64_t rows = group * (i1 - i0);
-  const T* q = static_cast<const T*>(p.q);
-  const T* k = static_cast<const T*>(p.k) + b * p.k_stride[0] + kvh * p.k_stride[1];
-  const T* v = static_cast<const T*>(p.v) + b * p.v_stride[0] + kvh * p.v_stride[1];
-  T* out = static_cast<T*>(p.out);
+  const int64_t pos = len - p.seq + i;
+  lo = p.host_kv_start ? p.host_kv_start[b] : 0;
+  if (p.window > 0) lo = std::max(lo, pos - p.window + 1);
+  hi = std::max(lo, pos + 1);
+}
 
-  std::vector<float> qf(rows * D), acc(rows * D, 0.f), kb(kSlotBlock * D),
-      vb(kSlotBlock * D), m(rows, -std::numeric_limits<float>::infinity()),
-      l(rows, 0.f);
-  std::vector<int64_t> lo(rows), hi(rows);  // visible slots [lo, hi)
-  int64_t slot_lo = len, slot_hi = first;
-  for (int64_t g = 0; g < group; ++g) {
-    const int64_t h = kvh * group + g;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t r = g * (i1 - i0) + (i - i0);
-      load_row(q + b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2],
-               p.q_stride[3], D, &qf[r * D]);
-      const int64_t pos = len - p.seq + i;  // this query's slot
-      int64_t from = first;
-      if (p.window > 0) from = std::max(from, pos - p.window + 1);
-      lo[r] = from;
-      hi[r] = std::max(from, pos + 1);
-      slot_lo = std::min(slot_lo, lo[r]);
-      slot_hi = std::max(slot_hi, hi[r]);
+// Cost model of a task, in units of about 1/4 ns: two passes of
+// rows x slots x head_dim multiply-adds (8 per vector op, about 2 vector ops
+// a cycle), plus reading each slot's key and value (streamed from memory
+// for long rows).
+double work_of(const Plan& plan, int64_t rows, int64_t slots, int64_t elem_bytes) {
+  const double flops = 2.0 * double(rows) * double(slots) * double(plan.dim_pad) / 16.0;
+  const double bytes = 2.0 * double(slots) * double(plan.dim) * double(elem_bytes) / 8.0;
+  return flops + bytes + 200.0;
+}
+
+using TaskFn = void (*)(const Plan&, const Task&, Scratch&);
+
+// Combines the splits of a row: out = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s.
+template <typename T>
+void merge_parts(const Plan& plan, int64_t b, int64_t kvh, int64_t first_part, int64_t parts) {
+  const AttendParams& p = *plan.p;
+  const int64_t G = plan.group, D = plan.dim, Dp = plan.dim_pad;
+  const int64_t rows = G * p.seq;
+  std::vector<float> acc(D);
+  for (int64_t r = 0; r < rows; ++r) {
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t s = 0; s < parts; ++s) {
+      const float* part = plan.partial + (first_part + s) * plan.part_stride;
+      mx = std::max(mx, part[rows * Dp + r]);
     }
+    std::fill(acc.begin(), acc.end(), 0.f);
+    float sum = 0.f;
+    if (mx != -std::numeric_limits<float>::infinity()) {
+      for (int64_t s = 0; s < parts; ++s) {
+        const float* part = plan.partial + (first_part + s) * plan.part_stride;
+        const float ms = part[rows * Dp + r];
+        if (ms == -std::numeric_limits<float>::infinity()) continue;  // saw nothing
+        const float w = std::exp2(ms - mx);
+        sum += w * part[rows * Dp + rows + r];
+        const float* o = part + r * Dp;
+        for (int64_t d = 0; d < D; ++d) acc[d] += w * o[d];
+      }
+    }
+    // No part saw a slot (left padding): zeros. A NaN in the data stays NaN.
+    const float inv = mx == -std::numeric_limits<float>::infinity() ? 0.f : 1.f / sum;
+    const int64_t i = r / G, g = r % G;
+    T* dst = static_cast<T*>(p.out) + b * p.out_stride[0] + (kvh * G + g) * p.out_stride[1] +
+             i * p.out_stride[2];
+    for (int64_t d = 0; d < D; ++d) dst[d * p.out_stride[3]] = static_cast<T>(acc[d] * inv);
   }
-  float scores[kSlotBlock];
-  for (int64_t j0 = slot_lo; j0 < slot_hi; j0 += kSlotBlock) {
-    const int64_t nj = std::min(kSlotBlock, slot_hi - j0);
-    for (int64_t j = 0; j < nj; ++j) {
-      load_row(k + (j0 + j) * p.k_stride[2], p.k_stride[3], D, &kb[j * D]);
-      load_row(v + (j0 + j) * p.v_stride[2], p.v_stride[3], D, &vb[j * D]);
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t a = std::max(lo[r], j0) - j0;
-      const int64_t e = std::min(hi[r], j0 + nj) - j0;
-      if (a >= e) continue;
-      float block_max = -std::numeric_limits<float>::infinity();
-      for (int64_t j = a; j < e; ++j) {
-        float s = p.scale * dot(&qf[r * D], &kb[j * D], D);
-        if (p.softcap > 0.f) s = p.softcap * std::tanh(s / p.softcap);
-        scores[j] = s;
-        block_max = std::max(block_max, s);
+}
+
+// Shared by the caller and its helpers; outlives the call (a helper that
+// starts late still reads it).
+struct Crew {
+  std::atomic<int64_t> next{0};      // next task to take
+  std::atomic<int64_t> active{0};    // helpers inside the work
+  std::atomic<bool> closed{false};   // the caller is done: late helpers leave
+};
+
+// Runs `work` on the calling thread and on up to `helpers` threads of ATen's
+// inter-op pool (at::launch), all taking tasks from one counter. Unlike an
+// OpenMP region (at::parallel_for), the caller never waits for a helper that
+// has not started: on a loaded machine a woken thread can wait a whole time
+// slice (milliseconds) for a core, and the caller would wait with it. The
+// caller does all the work if no helper shows up; it waits only for helpers
+// that are inside a task. `work(closed, next)` must return at once when
+// `closed` is set (it then touches nothing the caller owns).
+template <typename Work>
+void run_with_helpers(int64_t helpers, const Work& work) {
+  auto crew = std::make_shared<Crew>();
+  for (int64_t h = 0; h < helpers; ++h) {
+    at::launch([crew, &work] {
+      // Seq-cst order: either the caller sees this helper in `active`, or
+      // the helper sees `closed` and touches nothing of the caller's.
+      crew->active.fetch_add(1);
+      if (!crew->closed.load()) {
+        try {
+          work(crew->closed, crew->next);
+        } catch (...) {
+          // Scratch allocation failed: the other threads take the tasks.
+        }
       }
-      const float new_max = std::max(m[r], block_max);
-      const float rescale = std::exp(m[r] - new_max);  // 0 when m was -inf
-      float* ar = &acc[r * D];
-      if (rescale != 1.f) {
-        for (int64_t d = 0; d < D; ++d) ar[d] *= rescale;
-      }
-      float sum = l[r] * rescale;
-      for (int64_t j = a; j < e; ++j) {
-        const float w = std::exp(scores[j] - new_max);
-        sum += w;
-        axpy(w, &vb[j * D], ar, D);
-      }
-      m[r] = new_max;
-      l[r] = sum;
-    }
+      crew->active.fetch_sub(1);
+    });
   }
-  for (int64_t g = 0; g < group; ++g) {
-    const int64_t h = kvh * group + g;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t r = g * (i1 - i0) + (i - i0);
-      // No visible slot (a left-padding query): zeros.
-      const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-      store_row(&acc[r * D], inv,
-                out + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2],
-                p.out_stride[3], D);
-    }
+  std::exception_ptr error;
+  try {
+    static const std::atomic<bool> open{false};
+    work(open, crew->next);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  crew->closed.store(true);
+  while (crew->active.load() != 0) std::this_thread::yield();
+  if (error) {
+    // Tasks the caller took and did not finish are lost: fail the call.
+    std::rethrow_exception(error);
   }
 }
 
 template <typename T>
 void attend_typed(const AttendParams& p) {
-  const int64_t tiles = (p.seq + kQueryTile - 1) / kQueryTile;
-  const int64_t tasks = p.batch * p.kv_heads * tiles;
-  int64_t flops = 0;
-  for (int64_t b = 0; b < p.batch; ++b) {
-    flops += p.host_lengths[b] * p.seq;
-  }
-  flops *= 4 * p.num_heads * p.head_dim;
-  auto work = [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t tile = t % tiles;
-      const int64_t bh = t / tiles;
-      const int64_t i0 = tile * kQueryTile;
-      attend_task<T>(p, bh / p.kv_heads, bh % p.kv_heads, i0,
-                     std::min(p.seq, i0 + kQueryTile));
-    }
-  };
-  if (flops < kParallelFlops) {
-    work(0, tasks);
+  Plan plan;
+  plan.p = &p;
+  plan.group = p.num_heads / p.kv_heads;
+  plan.dim = p.head_dim;
+  plan.dim_pad = (p.head_dim + 7) / 8 * 8;
+  plan.tile = std::clamp<int64_t>(kTileRows / plan.group, 1, p.seq);
+  plan.fast_k = p.k_stride[3] == 1 && p.head_dim % 8 == 0;
+  plan.fast_v = p.v_stride[3] == 1 && p.head_dim % 8 == 0;
+  if (p.softcap > 0.f) {
+    plan.qscale = p.scale / p.softcap;
+    plan.cap = p.softcap * kLog2e;
   } else {
-    at::parallel_for(0, tasks, 1, work);
+    plan.qscale = p.scale * kLog2e;
   }
+  const TaskFn task_fn =
+#if KVCACHE_ATTEND_X86
+      use_avx2() ? &isa_avx2::run_task<T> :
+#endif
+                 &isa_generic::run_task<T>;
+
+  // Tasks: (row, KV head, tile), each over the slots its queries see.
+  const int64_t tiles = (p.seq + plan.tile - 1) / plan.tile;
+  std::vector<Task> tasks;
+  std::vector<double> work;
+  tasks.reserve(p.batch * p.kv_heads * tiles);
+  double total = 0.0;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+      const int64_t i0 = tile * plan.tile, i1 = std::min(p.seq, i0 + plan.tile);
+      int64_t lo0, hi0, lo1, hi1;
+      visible(p, b, i0, lo0, hi0);
+      visible(p, b, i1 - 1, lo1, hi1);
+      const int64_t slots = std::max<int64_t>(0, hi1 - std::min(lo0, lo1));
+      const double w = work_of(plan, plan.group * (i1 - i0), slots, sizeof(T));
+      for (int64_t kvh = 0; kvh < p.kv_heads; ++kvh) {
+        Task t;
+        t.b = b;
+        t.kvh = kvh;
+        t.i0 = i0;
+        t.i1 = i1;
+        t.j0 = std::min(lo0, lo1);
+        t.j1 = std::max(t.j0, hi1);
+        tasks.push_back(t);
+        work.push_back(w);
+        total += w;
+      }
+    }
+  }
+
+  const int64_t threads = at::get_num_threads();
+  const bool parallel = threads > 1 && total > kParallelWork && !at::in_parallel_region();
+
+  // Split long rows when there are too few tasks to keep the threads busy
+  // (decode of a small batch): one part per kBlock-aligned range.
+  std::vector<float> partial;
+  struct Split {
+    int64_t b, kvh, first_part, parts;
+  };
+  std::vector<Split> splits;
+  if (parallel && tiles == 1) {
+    const int64_t want = kTasksPerThread * threads;
+    if (static_cast<int64_t>(tasks.size()) < want) {
+      int64_t slots_total = 0;
+      for (const Task& t : tasks) slots_total += t.j1 - t.j0;
+      const int64_t target = std::max<int64_t>(
+          kMinSplit, (slots_total / want + kBlock - 1) / kBlock * kBlock);
+      std::vector<Task> split_tasks;
+      std::vector<double> split_work;
+      int64_t parts_total = 0;
+      for (size_t x = 0; x < tasks.size(); ++x) {
+        const Task& t = tasks[x];
+        const int64_t parts = std::max<int64_t>(1, (t.j1 - t.j0 + target - 1) / target);
+        if (parts == 1) {
+          split_tasks.push_back(t);
+          split_work.push_back(work[x]);
+          continue;
+        }
+        splits.push_back({t.b, t.kvh, parts_total, parts});
+        for (int64_t s = 0; s < parts; ++s) {
+          Task u = t;
+          u.j0 = t.j0 + s * target;
+          u.j1 = std::min(t.j1, u.j0 + target);
+          u.part = parts_total + s;
+          split_tasks.push_back(u);
+          split_work.push_back(work[x] / double(parts));
+        }
+        parts_total += parts;
+      }
+      if (parts_total > 0) {
+        const int64_t rows = plan.group * p.seq;
+        plan.part_stride = rows * plan.dim_pad + 2 * rows;
+        partial.resize(parts_total * plan.part_stride);
+        plan.partial = partial.data();
+        tasks.swap(split_tasks);
+        work.swap(split_work);
+      }
+    }
+  }
+
+  if (!parallel) {
+    Scratch scratch(plan);
+    for (const Task& t : tasks) task_fn(plan, t, scratch);
+  } else {
+    std::vector<int64_t> order(tasks.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return work[a] > work[b]; });
+    const int64_t helpers = std::min<int64_t>(threads, static_cast<int64_t>(tasks.size())) - 1;
+    run_with_helpers(helpers, [&](const std::atomic<bool>& closed, std::atomic<int64_t>& next) {
+      if (closed.load()) return;
+      Scratch scratch(plan);
+      const int64_t n = static_cast<int64_t>(tasks.size());
+      for (int64_t x = next.fetch_add(1); x < n; x = next.fetch_add(1)) {
+        task_fn(plan, tasks[order[x]], scratch);
+      }
+    });
+  }
+  for (const Split& s : splits) merge_parts<T>(plan, s.b, s.kvh, s.first_part, s.parts);
 }
 
-void attend_cpu(const AttendParams& p) {
+void attend_cpu_kernel(const AttendParams& p) {
   switch (p.dtype) {
     case detail::AttnDtype::kFloat32: return attend_typed<float>(p);
     case detail::AttnDtype::kBFloat16: return attend_typed<c10::BFloat16>(p);
@@ -167,6 +324,7 @@ void attend_cpu(const AttendParams& p) {
 }
 
 }  // namespace
+}  // namespace attend_cpu
 }  // namespace kvcache
 
-KVCACHE_REGISTER_KERNEL(attend_stub, cpu, &kvcache::attend_cpu);
+KVCACHE_REGISTER_KERNEL(attend_stub, cpu, &kvcache::attend_cpu::attend_cpu_kernel);

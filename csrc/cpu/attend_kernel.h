@@ -1,0 +1,348 @@
+// One task of the CPU attend kernel, written once for any vector flavour.
+//
+// NOT a normal header: attend.cpp includes it twice, each time inside its
+// own namespace that first defines `Vec` (VecGeneric, or VecAvx2 inside a
+// `#pragma GCC target("avx2,fma,f16c")` region so that every function here
+// is compiled for that ISA). It includes nothing itself; attend_plan.h and
+// attend_vec.h come first.
+//
+// A task (attend_plan.h) is a row b, a KV head, a tile of query positions
+// and a range of slots. Its query rows are the group's query heads at each
+// position of the tile (row r = position * group + head in group), so every
+// cached key and value is read once per group. Slots go by blocks of kBlock:
+//
+//   S = Q . K^T        dot-product micro-kernel (R query rows x C slots,
+//                      vectorized along head_dim, keys read in place);
+//   online softmax     per row, in base 2: running max m, sum l, weights
+//                      P = 2^(S - m) in S, rescale factor alpha;
+//   O = alpha O + P V  broadcast micro-kernel (R rows x 16 to 64 columns
+//                      of head_dim, values read in place).
+//
+// Only slots some query of the task may see are read: [kv_start, length)
+// at most, cut to the queries' causal and window limits. A slot another
+// row of the block sees but this row does not gets weight exactly 0.
+
+template <int R, int C, typename TK>
+inline void qk_tile(const float* q, int64_t ldq, const TK* k, int64_t ldk,
+                    int64_t dim, float* s, int64_t lds) {
+  using V = typename Vec::V;
+  V acc[R * C];
+#pragma GCC unroll 16
+  for (int x = 0; x < R * C; ++x) acc[x] = Vec::zero();
+  for (int64_t d = 0; d < dim; d += 8) {
+    V kv[C];
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) kv[c] = Vec::load(k + c * ldk + d);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      V qv = Vec::load(q + r * ldq + d);
+      Vec::pin(qv);
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) acc[r * C + c] = Vec::fma(qv, kv[c], acc[r * C + c]);
+    }
+  }
+  if constexpr (R * C == 8) {
+    float out[8];
+    Vec::hsum8(acc, out);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) s[r * lds + c] = out[r * C + c];
+    }
+  } else {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) s[r * lds + c] = Vec::reduce_add(acc[r * C + c]);
+    }
+  }
+}
+
+// Rows of the next block to prefetch (into L2) while this one is scored.
+struct Ahead {
+  const char* k = nullptr;  // nullptr: nothing to prefetch
+  const char* v = nullptr;
+  int64_t ldk = 0, ldv = 0;  // bytes between rows
+  int64_t row_bytes = 0;
+  int64_t rows = 0;
+};
+
+inline void prefetch_rows(const char* base, int64_t ld, int64_t j0, int64_t j1, int64_t bytes) {
+  for (int64_t j = j0; j < j1; ++j) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(base + j * ld + off, 0, 2);
+  }
+}
+
+// R query rows against n slots; prefetches row c of `ahead` with slot c.
+template <int R, typename TK>
+inline void qk_rows(const float* q, int64_t ldq, const TK* k, int64_t ldk,
+                    int64_t dim, int64_t n, float* s, int64_t lds, const Ahead* ahead) {
+  constexpr int C = R == 1 ? 8 : R == 2 ? 4 : 2;
+  int64_t c = 0;
+  for (; c + C <= n; c += C) {
+    if (ahead != nullptr && c < ahead->rows) {
+      const int64_t e = std::min<int64_t>(c + C, ahead->rows);
+      prefetch_rows(ahead->k, ahead->ldk, c, e, ahead->row_bytes);
+      prefetch_rows(ahead->v, ahead->ldv, c, e, ahead->row_bytes);
+    }
+    qk_tile<R, C>(q, ldq, k + c * ldk, ldk, dim, s + c, lds);
+  }
+  if (ahead != nullptr && c < ahead->rows) {
+    prefetch_rows(ahead->k, ahead->ldk, c, ahead->rows, ahead->row_bytes);
+    prefetch_rows(ahead->v, ahead->ldv, c, ahead->rows, ahead->row_bytes);
+  }
+  for (; c < n; ++c) qk_tile<R, 1>(q, ldq, k + c * ldk, ldk, dim, s + c, lds);
+}
+
+// S[r, :n] = q[r] . k[:n] for `rows` query rows; the first group of rows
+// carries the prefetch.
+template <typename TK>
+void qk_block(const float* q, int64_t ldq, const TK* k, int64_t ldk, int64_t dim,
+              int64_t rows, int64_t n, float* s, int64_t lds, const Ahead* ahead) {
+  if (ahead != nullptr && ahead->k == nullptr) ahead = nullptr;
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    qk_rows<4>(q + r * ldq, ldq, k, ldk, dim, n, s + r * lds, lds, r == 0 ? ahead : nullptr);
+  }
+  const Ahead* a = r == 0 ? ahead : nullptr;
+  switch (rows - r) {
+    case 3: qk_rows<3>(q + r * ldq, ldq, k, ldk, dim, n, s + r * lds, lds, a); break;
+    case 2: qk_rows<2>(q + r * ldq, ldq, k, ldk, dim, n, s + r * lds, lds, a); break;
+    case 1: qk_rows<1>(q + r * ldq, ldq, k, ldk, dim, n, s + r * lds, lds, a); break;
+    default: break;
+  }
+}
+
+// o[r, :8W] = alpha[r] * o[r, :8W] + sum_j p[r, j] * v[j, :8W] for R rows.
+template <int R, int W, typename TV>
+inline void pv_tile(const float* p, int64_t ldp, const TV* v, int64_t ldv,
+                    int64_t n, float* o, int64_t ldo, const float* alpha) {
+  using V = typename Vec::V;
+  V acc[R * W];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    const V a = Vec::set1(alpha[r]);
+#pragma GCC unroll 16
+    for (int w = 0; w < W; ++w) acc[r * W + w] = Vec::mul(Vec::load(o + r * ldo + 8 * w), a);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    V vv[W];
+#pragma GCC unroll 16
+    for (int w = 0; w < W; ++w) vv[w] = Vec::load(v + j * ldv + 8 * w);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const V pb = Vec::set1(p[r * ldp + j]);
+#pragma GCC unroll 16
+      for (int w = 0; w < W; ++w) acc[r * W + w] = Vec::fma(pb, vv[w], acc[r * W + w]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+    for (int w = 0; w < W; ++w) Vec::store(o + r * ldo + 8 * w, acc[r * W + w]);
+  }
+}
+
+// R rows over all of head_dim. Fewer rows take wider tiles: each
+// accumulator is one FMA dependency chain through the slot loop, and two
+// FMA units with a latency of 4 need about 8 chains to stay busy.
+template <int R, typename TV>
+inline void pv_rows(const float* p, int64_t ldp, const TV* v, int64_t ldv,
+                    int64_t n, float* o, int64_t ldo, const float* alpha,
+                    int64_t dim) {
+  constexpr int W = R == 1 ? 8 : R == 2 ? 4 : 2;
+  int64_t d = 0;
+  for (; d + 8 * W <= dim; d += 8 * W) pv_tile<R, W>(p, ldp, v + d, ldv, n, o + d, ldo, alpha);
+  if constexpr (W > 2) {
+    for (; d + 16 <= dim; d += 16) pv_tile<R, 2>(p, ldp, v + d, ldv, n, o + d, ldo, alpha);
+  }
+  if (d < dim) pv_tile<R, 1>(p, ldp, v + d, ldv, n, o + d, ldo, alpha);
+}
+
+template <typename TV>
+void pv_block(const float* p, int64_t ldp, const TV* v, int64_t ldv,
+              int64_t n, float* o, int64_t ldo, const float* alpha,
+              int64_t rows, int64_t dim) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    pv_rows<4>(p + r * ldp, ldp, v, ldv, n, o + r * ldo, ldo, alpha + r, dim);
+  }
+  switch (rows - r) {
+    case 3: pv_rows<3>(p + r * ldp, ldp, v, ldv, n, o + r * ldo, ldo, alpha + r, dim); break;
+    case 2: pv_rows<2>(p + r * ldp, ldp, v, ldv, n, o + r * ldo, ldo, alpha + r, dim); break;
+    case 1: pv_rows<1>(p + r * ldp, ldp, v, ldv, n, o + r * ldo, ldo, alpha + r, dim); break;
+    default: break;
+  }
+}
+
+// Widens n cached rows (any element stride) to float32, dim_pad apart
+// (the padding columns were zeroed when the scratch was made).
+template <typename T>
+void pack_rows(const T* src, int64_t row_stride, int64_t elem_stride,
+               int64_t n, int64_t dim, int64_t dim_pad, float* dst) {
+  for (int64_t j = 0; j < n; ++j) {
+    const T* row = src + j * row_stride;
+    float* out = dst + j * dim_pad;
+    for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<float>(row[d * elem_stride]);
+  }
+}
+
+// Online-softmax step of one row over a block of n slots, of which [a, e)
+// are visible to it. s holds the row's scores (n8 = n rounded up to 8
+// columns; the columns past n are scratch) and gets the weights.
+inline void softmax_row(float* s, int64_t a, int64_t e, int64_t n8, float cap,
+                        float& m, float& l, float& alpha) {
+  using V = typename Vec::V;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  if (a >= e) {  // this row sees none of the block: weights 0, no rescale
+    for (int64_t j = 0; j < n8; j += 8) Vec::store(s + j, Vec::zero());
+    alpha = 1.f;
+    return;
+  }
+  if (cap > 0.f) {
+    const V c = Vec::set1(cap);
+    for (int64_t j = 0; j < n8; j += 8) Vec::store(s + j, Vec::mul(c, Vec::tanh(Vec::load(s + j))));
+  }
+  for (int64_t j = 0; j < a; ++j) s[j] = kNegInf;
+  for (int64_t j = e; j < n8; ++j) s[j] = kNegInf;
+  V mx = Vec::set1(kNegInf);
+  for (int64_t j = 0; j < n8; j += 8) mx = Vec::max(mx, Vec::load(s + j));
+  const float block_max = Vec::reduce_max(mx);
+  const float m_new = std::max(m, block_max);
+  alpha = std::exp2(m - m_new);  // 0 on the row's first block (m = -inf)
+  const V mv = Vec::set1(m_new);
+  V sum = Vec::zero();
+  for (int64_t j = 0; j < n8; j += 8) {
+    const V w = Vec::exp2(Vec::sub(Vec::load(s + j), mv));
+    Vec::store(s + j, w);
+    sum = Vec::add(sum, w);
+  }
+  l = l * alpha + Vec::reduce_add(sum);
+  m = m_new;
+}
+
+template <typename T>
+void run_task(const Plan& plan, const Task& t, Scratch& sc) {
+  const AttendParams& p = *plan.p;
+  const int64_t G = plan.group, D = plan.dim, Dp = plan.dim_pad;
+  const int64_t nt = t.i1 - t.i0;
+  const int64_t rows = G * nt;
+  const int64_t len = p.host_lengths[t.b];
+  const int64_t first = p.host_kv_start ? p.host_kv_start[t.b] : 0;
+  float* const Q = sc.q.data();
+  float* const O = sc.o.data();
+  float* const S = sc.s.data();
+  float* const m = sc.m.data();
+  float* const l = sc.l.data();
+  float* const alpha = sc.alpha.data();
+  int64_t* const lo = sc.lo.data();
+  int64_t* const hi = sc.hi.data();
+
+  // Visible slots of each position, cut to the task's range; their union
+  // [task_lo, task_hi) is contiguous (both ends grow with the position).
+  int64_t task_lo = t.j1, task_hi = t.j0;
+  for (int64_t ti = 0; ti < nt; ++ti) {
+    const int64_t pos = len - p.seq + t.i0 + ti;
+    int64_t a = first;
+    if (p.window > 0) a = std::max(a, pos - p.window + 1);
+    a = std::max(a, t.j0);
+    const int64_t e = std::min(pos + 1, t.j1);
+    lo[ti] = a;
+    hi[ti] = std::max(a, e);
+    if (a < e) {
+      task_lo = std::min(task_lo, a);
+      task_hi = std::max(task_hi, e);
+    }
+  }
+
+  const T* qbase = static_cast<const T*>(p.q) + t.b * p.q_stride[0];
+  for (int64_t ti = 0; ti < nt; ++ti) {
+    for (int64_t g = 0; g < G; ++g) {
+      const T* src = qbase + (t.kvh * G + g) * p.q_stride[1] + (t.i0 + ti) * p.q_stride[2];
+      float* dst = Q + (ti * G + g) * Dp;
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d * p.q_stride[3]]) * plan.qscale;
+    }
+  }
+  std::fill(O, O + rows * Dp, 0.f);
+  std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + rows, 0.f);
+
+  const T* kbase = static_cast<const T*>(p.k) + t.b * p.k_stride[0] + t.kvh * p.k_stride[1];
+  const T* vbase = static_cast<const T*>(p.v) + t.b * p.v_stride[0] + t.kvh * p.v_stride[1];
+  if (plan.fast_v && task_lo < task_hi) {  // the first block's values, read after its scores
+    prefetch_rows(reinterpret_cast<const char*>(vbase + task_lo * p.v_stride[2]),
+                  p.v_stride[2] * int64_t(sizeof(T)), 0, std::min(kBlock, task_hi - task_lo),
+                  D * int64_t(sizeof(T)));
+  }
+  for (int64_t c0 = task_lo; c0 < task_hi; c0 += kBlock) {
+    const int64_t cend = std::min(c0 + kBlock, task_hi);
+    // Positions that see part of [c0, cend): a contiguous run [ta, tb).
+    int64_t ta = nt, tb = 0, c1 = c0;
+    for (int64_t ti = 0; ti < nt; ++ti) {
+      if (lo[ti] < hi[ti] && lo[ti] < cend && hi[ti] > c0) {
+        ta = std::min(ta, ti);
+        tb = ti + 1;
+        c1 = std::max(c1, std::min(hi[ti], cend));
+      }
+    }
+    if (ta >= tb) continue;
+    const int64_t n = c1 - c0;
+    const int64_t n8 = (n + 7) / 8 * 8;
+    const int64_t ra = ta * G, rb = tb * G;
+
+    // Keys and values of the next block, asked for a few rows at a time
+    // between the score tiles: the value pass walks a block once per 16
+    // columns of head_dim, which the hardware prefetcher does not follow
+    // from memory, and one burst per block would stall on the fill buffers.
+    Ahead ahead;
+    if (cend < task_hi && plan.fast_k && plan.fast_v) {
+      ahead.k = reinterpret_cast<const char*>(kbase + cend * p.k_stride[2]);
+      ahead.v = reinterpret_cast<const char*>(vbase + cend * p.v_stride[2]);
+      ahead.ldk = p.k_stride[2] * int64_t(sizeof(T));
+      ahead.ldv = p.v_stride[2] * int64_t(sizeof(T));
+      ahead.row_bytes = D * int64_t(sizeof(T));
+      ahead.rows = std::min(kBlock, task_hi - cend);
+    }
+    if (plan.fast_k) {
+      qk_block(Q + ra * Dp, Dp, kbase + c0 * p.k_stride[2], p.k_stride[2], D, rb - ra, n,
+               S + ra * kBlock, kBlock, &ahead);
+    } else {
+      pack_rows(kbase + c0 * p.k_stride[2], p.k_stride[2], p.k_stride[3], n, D, Dp, sc.kb.data());
+      qk_block(Q + ra * Dp, Dp, static_cast<const float*>(sc.kb.data()), Dp, Dp, rb - ra, n,
+               S + ra * kBlock, kBlock, nullptr);
+    }
+    for (int64_t r = ra; r < rb; ++r) {
+      const int64_t ti = r / G;
+      const int64_t a = std::clamp(lo[ti], c0, c1) - c0;
+      const int64_t e = std::clamp(hi[ti], c0, c1) - c0;
+      softmax_row(S + r * kBlock, a, e, n8, plan.cap, m[r], l[r], alpha[r]);
+    }
+    if (plan.fast_v) {
+      pv_block(S + ra * kBlock, kBlock, vbase + c0 * p.v_stride[2], p.v_stride[2], n,
+               O + ra * Dp, Dp, alpha + ra, rb - ra, D);
+    } else {
+      pack_rows(vbase + c0 * p.v_stride[2], p.v_stride[2], p.v_stride[3], n, D, Dp, sc.vb.data());
+      pv_block(S + ra * kBlock, kBlock, static_cast<const float*>(sc.vb.data()), Dp, n,
+               O + ra * Dp, Dp, alpha + ra, rb - ra, Dp);
+    }
+  }
+
+  if (t.part >= 0) {  // a split of the row: keep the unnormalized state
+    float* part = plan.partial + t.part * plan.part_stride;
+    std::copy(O, O + rows * Dp, part);
+    std::copy(m, m + rows, part + rows * Dp);
+    std::copy(l, l + rows, part + rows * Dp + rows);
+    return;
+  }
+  T* obase = static_cast<T*>(p.out) + t.b * p.out_stride[0];
+  for (int64_t ti = 0; ti < nt; ++ti) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = ti * G + g;
+      // A query that sees no slot (left padding) gets zeros.
+      const float inv = lo[ti] < hi[ti] ? 1.f / l[r] : 0.f;
+      T* dst = obase + (t.kvh * G + g) * p.out_stride[1] + (t.i0 + ti) * p.out_stride[2];
+      const float* src = O + r * Dp;
+      for (int64_t d = 0; d < D; ++d) dst[d * p.out_stride[3]] = static_cast<T>(src[d] * inv);
+    }
+  }
+}

@@ -1,0 +1,74 @@
+// Work plan of the CPU attend kernel: what a task is, what it needs, and
+// the scratch it runs in. Shared by the portable and the AVX2 instances of
+// attend_kernel.h and by the scheduler in attend.cpp.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "../ops/attend.h"
+
+namespace kvcache {
+namespace attend_cpu {
+
+using detail::AttendParams;
+
+// Cached slots per block: one block's scores (rows x kBlock floats) and its
+// keys/values stay in L1/L2 while a block is processed.
+constexpr int64_t kBlock = 64;
+// log2(e): the kernel works in base 2 (exp2 is cheaper than exp).
+constexpr float kLog2e = 1.4426950408889634f;
+
+struct Plan {
+  const AttendParams* p = nullptr;
+  int64_t group = 1;   // query heads per KV head
+  int64_t dim = 0;     // head_dim
+  int64_t dim_pad = 0; // head_dim rounded up to 8 (zero-padded in scratch)
+  int64_t tile = 1;    // query positions per task
+  bool fast_k = false; // keys read in place (unit element stride, dim % 8 == 0)
+  bool fast_v = false;
+  // Scores in log2 units: q is scaled by scale * log2(e); with a softcap,
+  // by scale / softcap, and the score becomes cap * tanh(q.k) with
+  // cap = softcap * log2(e).
+  float qscale = 1.f;
+  float cap = 0.f;
+  // Partial results of tasks that cover a split of a row's slots: per
+  // part, rows x dim_pad unnormalized outputs, then rows maxima, then rows
+  // sums (rows = group * seq: split tasks hold every query position).
+  float* partial = nullptr;
+  int64_t part_stride = 0;
+
+  int64_t max_rows() const { return group * tile; }
+};
+
+// Query positions [i0, i1) of row b and KV head kvh, over the slots
+// [j0, j1) (the whole row unless the row is split); part < 0: the task
+// writes the output, otherwise partial slot `part`.
+struct Task {
+  int64_t b = 0, kvh = 0, i0 = 0, i1 = 0, j0 = 0, j1 = 0, part = -1;
+};
+
+// Per-thread buffers, sized once per kernel call (zero-initialized: the
+// padding columns of q and the packed keys/values stay 0).
+struct Scratch {
+  std::vector<float> q, o, s, kb, vb, m, l, alpha;
+  std::vector<int64_t> lo, hi;
+
+  explicit Scratch(const Plan& plan) {
+    const int64_t rows = plan.max_rows();
+    q.assign(rows * plan.dim_pad, 0.f);
+    o.assign(rows * plan.dim_pad, 0.f);
+    s.assign(rows * kBlock, 0.f);
+    if (!plan.fast_k) kb.assign(kBlock * plan.dim_pad, 0.f);
+    if (!plan.fast_v) vb.assign(kBlock * plan.dim_pad, 0.f);
+    m.assign(rows, 0.f);
+    l.assign(rows, 0.f);
+    alpha.assign(rows, 0.f);
+    lo.assign(plan.tile, 0);
+    hi.assign(plan.tile, 0);
+  }
+};
+
+}  // namespace attend_cpu
+}  // namespace kvcache

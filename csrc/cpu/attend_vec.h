@@ -1,0 +1,226 @@
+// Eight-float vector primitives for the CPU attend kernel
+// (csrc/cpu/attend_kernel.h): a portable flavour and an AVX2/FMA/F16C one.
+//
+// The build compiles every CPU file for the baseline x86-64 ISA (SSE2), so
+// the AVX2 flavour is compiled under a `#pragma GCC target` region and only
+// called after a runtime check (__builtin_cpu_supports, see attend.cpp).
+// at::vec::Vectorized is not used: in this extension it is compiled for the
+// baseline ISA, whatever the machine can do.
+//
+// Both flavours have the same members:
+//   V zero(), set1(float), load(const float*|BFloat16*|Half*) (widening to
+//   float32), store(float*, V), add, sub, mul, fma(a, b, c) = a * b + c, max,
+//   reduce_add, reduce_max, hsum8(const V[8], float*) (out[k] = sum of the
+//   lanes of in[k]), exp2 (exact 0 below 2^-126, so a -inf score gives an
+//   exact 0 weight; NaN propagates), tanh.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define KVCACHE_ATTEND_X86 1
+#include <immintrin.h>
+#else
+#define KVCACHE_ATTEND_X86 0
+#endif
+
+namespace kvcache {
+namespace attend_cpu {
+
+// Portable: GCC/Clang vector extensions (eight floats; two SSE2 or NEON
+// registers), the same algorithms as VecAvx2 in plain vector arithmetic.
+// The kernel on machines without AVX2 (aarch64 included), and a second
+// implementation the tests can force (KVCACHE_ATTEND_ISA=generic).
+// 32-byte vectors passed by value between inline functions: the ABI note
+// GCC gives for them without AVX does not apply (nothing crosses a library
+// boundary).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+struct VecGeneric {
+  typedef float V __attribute__((vector_size(32)));
+  typedef int32_t I __attribute__((vector_size(32)));
+  static constexpr const char* kName = "generic";
+
+  static inline V zero() { return set1(0.f); }
+  static inline V set1(float x) { return V{x, x, x, x, x, x, x, x}; }
+  static inline V load(const float* p) {
+    V r;
+    std::memcpy(&r, p, sizeof(r));
+    return r;
+  }
+  static inline V load(const c10::BFloat16* p) {
+    uint16_t h[8];
+    std::memcpy(h, p, sizeof(h));
+    const I w = I{h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]} << 16;  // the top half of a float32
+    return (V)w;
+  }
+  static inline V load(const c10::Half* p) {
+    V r;
+    for (int i = 0; i < 8; ++i) r[i] = static_cast<float>(p[i]);
+    return r;
+  }
+  static inline void store(float* p, V a) { std::memcpy(p, &a, sizeof(a)); }
+  static inline void pin(V&) {}
+  static inline V add(V a, V b) { return a + b; }
+  static inline V sub(V a, V b) { return a - b; }
+  static inline V mul(V a, V b) { return a * b; }
+  static inline V fma(V a, V b, V c) { return a * b + c; }
+  // Lanes of b where the mask (all ones / all zeros) is set, else of a.
+  static inline V select(I mask, V b, V a) { return (V)(((I)b & mask) | ((I)a & ~mask)); }
+  static inline V max(V a, V b) { return select(a < b, b, a); }
+  static inline float reduce_add(V a) {
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+  }
+  static inline float reduce_max(V a) {
+    float m = a[0];
+    for (int i = 1; i < 8; ++i) m = m < a[i] ? a[i] : m;
+    return m;
+  }
+  static inline void hsum8(const V* in, float* out) {
+    for (int k = 0; k < 8; ++k) out[k] = reduce_add(in[k]);
+  }
+  // As VecAvx2::exp2; round-to-nearest by adding and removing 1.5 * 2^23.
+  static inline V exp2(V x) {
+    const V lo = set1(-126.f), hi = set1(127.f), magic = set1(12582912.f);
+    const I under = x < lo;
+    V xc = select(x < lo, lo, x);  // NaN compares false and stays
+    xc = select(xc > hi, hi, xc);
+    const V shifted = xc + magic;
+    const V n = shifted - magic;
+    const V f = xc - n;
+    V p = set1(1.5252733804059838e-05f);
+    p = p * f + set1(1.5403530393381606e-04f);
+    p = p * f + set1(1.3333558146428441e-03f);
+    p = p * f + set1(9.618129107628477e-03f);
+    p = p * f + set1(5.5504108664821576e-02f);
+    p = p * f + set1(2.402265069591007e-01f);
+    p = p * f + set1(6.931471805599453e-01f);
+    p = p * f + set1(1.f);
+    const I e = (((I)shifted - (I)magic) + 127) << 23;
+    return (V)((I)(p * (V)e) & ~under);
+  }
+  // As VecAvx2::tanh.
+  static inline V tanh(V x) {
+    const I sign = (I)set1(-0.f);
+    const V ax = (V)((I)x & ~sign);
+    const V one = set1(1.f);
+    const V e = exp2(ax * set1(-2.8853900817779268f));
+    const V big = (one - e) / (one + e);
+    const V x2 = ax * ax;
+    V p = set1(-1382.f / 155925.f);
+    p = p * x2 + set1(62.f / 2835.f);
+    p = p * x2 + set1(-17.f / 315.f);
+    p = p * x2 + set1(2.f / 15.f);
+    p = p * x2 + set1(-1.f / 3.f);
+    p = p * x2 + one;
+    const V r = select(ax < set1(0.3f), p * ax, big);
+    return (V)((I)r | ((I)x & sign));
+  }
+};
+#pragma GCC diagnostic pop
+
+#if KVCACHE_ATTEND_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+struct VecAvx2 {
+  using V = __m256;
+  static constexpr const char* kName = "avx2";
+
+  static inline V zero() { return _mm256_setzero_ps(); }
+  static inline V set1(float x) { return _mm256_set1_ps(x); }
+  static inline V load(const float* p) { return _mm256_loadu_ps(p); }
+  static inline V load(const c10::BFloat16* p) {
+    // bfloat16 is the top half of a float32.
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static inline V load(const c10::Half* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static inline void store(float* p, V a) { _mm256_storeu_ps(p, a); }
+  // Keeps a loaded vector in a register: GCC otherwise folds the load into
+  // every FMA that uses it, one load per use, and the loop becomes load-bound.
+  static inline void pin(V& a) { asm("" : "+x"(a)); }
+  static inline V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static inline V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static inline V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static inline V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static inline V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static inline float reduce_add(V a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static inline float reduce_max(V a) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  // Eight horizontal sums at once: hadd pairs, then add the 128-bit halves.
+  static inline void hsum8(const V* in, float* out) {
+    const __m256 t0 = _mm256_hadd_ps(in[0], in[1]);
+    const __m256 t1 = _mm256_hadd_ps(in[2], in[3]);
+    const __m256 t2 = _mm256_hadd_ps(in[4], in[5]);
+    const __m256 t3 = _mm256_hadd_ps(in[6], in[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1);  // lanes: in0..3 low, in0..3 high
+    const __m256 u1 = _mm256_hadd_ps(t2, t3);
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                                        _mm256_permute2f128_ps(u0, u1, 0x31)));
+  }
+  // 2^x: x = n + f with n = round(x), |f| <= 1/2; 2^f by its degree-7
+  // Taylor polynomial (relative error < 1e-8 before rounding), 2^n from the
+  // exponent bits. Below -126 (and -inf) the result is exactly 0.
+  static inline V exp2(V x) {
+    const __m256 lo = _mm256_set1_ps(-126.f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    // Operand order keeps a NaN x (max/min return their second operand).
+    const __m256 xc = _mm256_min_ps(_mm256_set1_ps(127.f), _mm256_max_ps(lo, x));
+    const __m256 n = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(xc, n);
+    __m256 p = _mm256_set1_ps(1.5252733804059838e-05f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381606e-04f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428441e-03f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618129107628477e-03f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821576e-02f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402265069591007e-01f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471805599453e-01f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+  }
+  // tanh: an odd Taylor polynomial below |x| = 0.3 (where (1 - e) / (1 + e)
+  // would cancel), (1 - e) / (1 + e) with e = exp(-2|x|) above; sign restored.
+  static inline V tanh(V x) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    const __m256 ax = _mm256_andnot_ps(sign, x);
+    const __m256 e = exp2(_mm256_mul_ps(ax, _mm256_set1_ps(-2.8853900817779268f)));
+    const __m256 one = _mm256_set1_ps(1.f);
+    const __m256 big = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    const __m256 x2 = _mm256_mul_ps(ax, ax);
+    __m256 p = _mm256_set1_ps(-1382.f / 155925.f);
+    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(62.f / 2835.f));
+    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(-17.f / 315.f));
+    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(2.f / 15.f));
+    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(-1.f / 3.f));
+    p = _mm256_fmadd_ps(p, x2, one);
+    const __m256 small = _mm256_mul_ps(p, ax);
+    const __m256 r = _mm256_blendv_ps(big, small, _mm256_cmp_ps(ax, _mm256_set1_ps(0.3f), _CMP_LT_OQ));
+    return _mm256_or_ps(r, _mm256_and_ps(sign, x));
+  }
+};
+
+#pragma GCC pop_options
+#endif  // KVCACHE_ATTEND_X86
+
+}  // namespace attend_cpu
+}  // namespace kvcache

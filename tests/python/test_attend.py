@@ -1,0 +1,588 @@
+"""attend: attention over the filled slots of a KV cache, against a float64 reference.
+
+The reference is plain PyTorch: per row, float64 scores over slots
+[0, length), a boolean mask of what each query may see (causal, kv_start,
+window), masked softmax, weighted sum. Queries that see nothing give zeros.
+Unused slots are poisoned with NaN/Inf to prove the kernel never reads them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import kvcache
+
+ATTEND = torch.ops.kvcache.attend.default
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# PyTorch's SDPA tests (test/test_transformers.py: default_atol/default_rtol).
+ATOL = {torch.float32: 1e-5, torch.bfloat16: 1e-3, torch.float16: 1e-3}
+RTOL = {torch.float32: 1.3e-6, torch.bfloat16: 1.6e-2, torch.float16: 1e-3}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+# ------------------------------------------------------------- reference ---
+
+
+def reference(q, keys, values, lengths, kv_start=None, scale=None, window=0, softcap=0.0):
+    """float64 masked-softmax attention; reads slots [0, lengths[b]) only.
+
+    Returns (batch, num_heads, seq, head_dim) float64.
+    """
+    b, h, s, d = q.shape
+    kv_heads = keys.shape[1]
+    group = h // kv_heads
+    scale = d**-0.5 if scale is None else scale
+    lengths = lengths.expand(b) if lengths.dim() == 0 else lengths
+    out = torch.zeros(b, h, s, d, dtype=torch.float64)
+    for r in range(b):
+        n = int(lengths[r])
+        first = 0 if kv_start is None else int(kv_start.expand(b)[r])
+        k = keys[r, :, :n].double().repeat_interleave(group, 0)  # (h, n, d)
+        v = values[r, :, :n].double().repeat_interleave(group, 0)
+        scores = q[r].double() @ k.transpose(1, 2) * scale  # (h, s, n)
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        pos = torch.arange(s)[:, None] + (n - s)
+        slot = torch.arange(n)[None, :]
+        visible = (slot <= pos) & (slot >= first)
+        if window > 0:
+            visible &= slot > pos - window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows that see nothing: 0
+        out[r] = weights @ v
+    return out
+
+
+def unused_slots(b, seq, max_len, lengths, kv_start, window):
+    """Boolean (max_len,) per row: slots no query of the row may see."""
+    lengths = lengths.expand(b) if lengths.dim() == 0 else lengths
+    masks = []
+    for r in range(b):
+        n = int(lengths[r])
+        first = 0 if kv_start is None else int(kv_start.expand(b)[r])
+        if window > 0:
+            first = max(first, n - seq - window + 1)  # the first query's window
+        slot = torch.arange(max_len)
+        masks.append((slot < first) | (slot >= n))
+    return torch.stack(masks)
+
+
+def poison_(t, unused):
+    """Writes NaN, +Inf, -Inf (cycling) into the unused slots of a (b, kvh, T, d) view."""
+    pattern = torch.tensor([float("nan"), float("inf"), float("-inf")])
+    b, kvh, T, d = t.shape
+    vals = pattern[torch.arange(kvh * T * d) % 3].reshape(kvh, T, d).to(t.dtype)
+    for r in range(b):
+        idx = unused[r].nonzero().flatten()
+        if idx.numel():
+            t[r, :, idx] = vals[:, idx]
+
+
+@pytest.mark.parametrize("threads,T", [(1, 300), (2, 9000)], ids=["serial", "split"])
+def test_nan_in_a_visible_slot_propagates(threads, T):
+    """A NaN key that a query sees makes that query's output NaN (as SDPA does), not 0."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q = make_q(1, 8, 3, 64, torch.float32)
+        keys, values = make_kv(1, 1, T, 64, torch.float32)
+        keys[0, 0, T - 2, 5] = float("nan")  # seen by the last two queries only
+        out = ATTEND(q, keys, values, torch.tensor([T], dtype=torch.int32))
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.isfinite(out[:, :, 0]).all()
+    assert torch.isnan(out[:, :, 1:]).all()
+
+
+# ------------------------------------------------------------- layouts ---
+
+
+def make_q(b, h, s, d, dtype, layout="contiguous", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if layout == "contiguous":
+        return torch.randn(b, h, s, d, generator=g).to(dtype)
+    if layout == "transposed":  # the model's (batch, seq, heads, head_dim) projection
+        return torch.randn(b, s, h, d, generator=g).to(dtype).transpose(1, 2)
+    if layout == "strided":  # every other element of a wider buffer
+        return torch.randn(b, h, s, d, 2, generator=g).to(dtype)[..., 1]
+    raise ValueError(layout)
+
+
+def make_kv(b, kvh, T, d, dtype, layout="contiguous", seed=1):
+    """Keys and values (b, kvh, T, d) as views in various memory layouts."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    if layout == "contiguous":
+        return rnd(b, kvh, T, d), rnd(b, kvh, T, d)
+    if layout == "transposed":  # (batch, max_len, heads, head_dim) buffers
+        return rnd(b, T, kvh, d).transpose(1, 2), rnd(b, T, kvh, d).transpose(1, 2)
+    if layout == "slice":  # a window of larger buffers: every stride differs
+        big_k, big_v = rnd(b + 1, kvh + 2, T + 5, d + 8), rnd(b + 1, kvh + 2, T + 5, d + 8)
+        return big_k[1:, 1 : kvh + 1, 3 : T + 3, 4 : d + 4], big_v[1:, 2:, 2 : T + 2, :d]
+    if layout == "fused":  # one (..., 2, head_dim) buffer: keys and values interleaved
+        kv = rnd(b, kvh, T, 2, d)
+        return kv[..., 0, :], kv[..., 1, :]
+    if layout == "elem_strided":  # head_dim not unit-stride (the packing path)
+        return rnd(b, kvh, T, d, 2)[..., 0], rnd(b, kvh, d, T).transpose(-1, -2)
+    if layout == "mixed":  # keys unit-stride, values not
+        return rnd(b, kvh, T, d), rnd(b, kvh, T, d, 2)[..., 1]
+    raise ValueError(layout)
+
+
+def check(
+    b, h, kvh, s, d, T, lengths, dtype=torch.float32, *, kv_start=None, scale=None, window=0,
+    softcap=0.0, q_layout="contiguous", kv_layout="contiguous", poison=True, seed=0,
+):
+    """Runs attend on poisoned caches; compares with the float64 reference on clean data
+    and, exactly, with attend on the clean data."""
+    lengths = torch.as_tensor(lengths, dtype=torch.int32)
+    if kv_start is not None:
+        kv_start = torch.as_tensor(kv_start, dtype=torch.int64)
+    q = make_q(b, h, s, d, dtype, q_layout, seed)
+    keys, values = make_kv(b, kvh, T, d, dtype, kv_layout, seed + 1)
+    kwargs = dict(kv_start=kv_start, scale=scale, window=window, softcap=softcap)
+    expected = reference(q, keys, values, lengths, **kwargs)
+    clean = ATTEND(q, keys, values, lengths, **kwargs)
+    if poison:
+        unused = unused_slots(b, s, T, lengths, kv_start, window)
+        poison_(keys, unused)
+        poison_(values, unused)
+    out = ATTEND(q, keys, values, lengths, **kwargs)
+    assert out.shape == (b, h, s, d) and out.dtype == dtype
+    assert out.transpose(1, 2).is_contiguous()  # (batch, seq, heads, head_dim) memory
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), expected, atol=ATOL[dtype], rtol=RTOL[dtype])
+    assert torch.equal(out, clean), "unused slots changed the output"
+    return out, expected
+
+
+# --------------------------------------------------------------- numerics ---
+
+# (batch, heads, kv_heads, seq, head_dim, max_len, lengths): every GQA ratio
+# (1, 2, 4, 8), head_dim (64, 80, 96, 128, 256) and seq (1, 7, 64, 512)
+# appears, in a sample of their combinations rather than the full product.
+SHAPES = [
+    (1, 4, 4, 1, 64, 100, [37]),
+    (2, 8, 4, 1, 80, 300, [1, 300]),  # lengths == seq, and a full cache
+    (3, 16, 4, 1, 128, 700, [700, 65, 129]),  # block edges
+    (2, 32, 4, 1, 256, 200, [200, 3]),
+    (2, 8, 1, 7, 96, 80, [7, 80]),  # group 8
+    (1, 6, 3, 7, 128, 150, [100]),
+    (2, 8, 2, 64, 64, 200, [64, 200]),
+    (1, 8, 1, 64, 80, 130, [130]),
+    (1, 4, 1, 512, 128, 600, [512]),  # prefill from empty
+    (1, 2, 2, 512, 64, 520, [520]),  # chunk after 8 cached slots
+]
+
+
+def shape_id(shape):
+    b, h, kvh, s, d, T, lengths = shape
+    return f"b{b}-g{h // kvh}-s{s}-d{d}-T{T}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_matches_reference(shape, dtype):
+    b, h, kvh, s, d, T, lengths = shape
+    check(b, h, kvh, s, d, T, lengths, dtype)
+
+
+@pytest.mark.parametrize("d", [1, 3, 20, 36, 72, 100])
+def test_head_dim_not_multiple_of_8(d):
+    check(2, 4, 2, 3, d, 90, [90, 5])
+
+
+def test_zero_dim_lengths_applies_to_every_row():
+    check(3, 4, 2, 2, 64, 40, 33)
+
+
+def test_every_query_sees_exactly_its_prefix():
+    """Chunked prefill of 9 queries one slot at a time equals 9 decode steps."""
+    q = make_q(2, 8, 9, 64, torch.float32)
+    keys, values = make_kv(2, 2, 30, 64, torch.float32)
+    lengths = torch.tensor([20, 30], dtype=torch.int32)
+    chunk = ATTEND(q, keys, values, lengths)
+    for i in range(9):
+        step = ATTEND(q[:, :, i : i + 1].contiguous(), keys, values, lengths - 8 + i)
+        torch.testing.assert_close(chunk[:, :, i : i + 1], step, atol=1e-6, rtol=1e-6)
+
+
+# ----------------------------------------------------- padding and windows ---
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_left_padding(dtype):
+    check(3, 8, 2, 1, 64, 120, [100, 120, 7], dtype, kv_start=[3, 70, 6])
+
+
+def test_left_padding_queries_that_see_nothing_get_zeros():
+    # row 0: the first 4 of 7 queries sit before kv_start; row 1: nothing at all
+    out, _ = check(2, 4, 2, 7, 32, 40, [20, 30], kv_start=[16, 30])
+    assert torch.equal(out[0, :, :3], torch.zeros_like(out[0, :, :3]))
+    assert out[0, :, 3:].abs().sum() > 0
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+def test_kv_start_beyond_a_block_boundary_and_full_cache():
+    check(2, 4, 1, 33, 128, 300, [300, 200], kv_start=[129, 64])
+
+
+@pytest.mark.parametrize("window", [1, 5, 64, 65, 1000])
+@pytest.mark.parametrize("s", [1, 7, 100])
+def test_window(window, s):
+    check(2, 8, 2, s, 64, 400, [s + 300, 400], window=window)
+
+
+def test_window_with_left_padding_and_softcap_bf16():
+    check(2, 8, 4, 5, 128, 300, [260, 300], torch.bfloat16, kv_start=[250, 10], window=30, softcap=20.0)
+
+
+@pytest.mark.parametrize("softcap", [0.5, 5.0, 50.0])
+def test_softcap(softcap):
+    check(2, 8, 2, 9, 96, 150, [150, 40], softcap=softcap, scale=0.3)
+
+
+@pytest.mark.parametrize("scale", [1e-3, 0.05, 1.0, 4.0])
+def test_scale(scale):
+    check(1, 4, 2, 3, 64, 70, [70], scale=scale)
+
+
+def test_large_scores_do_not_overflow():
+    """Scores around 1e4: the running maximum keeps exp() in range."""
+    q = torch.full((1, 2, 2, 16), 30.0)
+    keys = torch.randn(1, 1, 200, 16) * 30
+    values = torch.randn(1, 1, 200, 16)
+    lengths = torch.tensor([200], dtype=torch.int32)
+    out = ATTEND(q, keys, values, lengths)
+    torch.testing.assert_close(out.double(), reference(q, keys, values, lengths), atol=1e-5, rtol=1.3e-6)
+
+
+# ------------------------------------------------------------- layouts ---
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kv_layout", ["transposed", "slice", "fused", "elem_strided", "mixed"])
+def test_cache_layouts(kv_layout, dtype):
+    check(2, 8, 2, 5, 64, 150, [150, 80], dtype, kv_layout=kv_layout, kv_start=[2, 0], window=100)
+
+
+@pytest.mark.parametrize("q_layout", ["transposed", "strided"])
+def test_query_layouts(q_layout):
+    check(2, 8, 4, 6, 128, 100, [100, 50], q_layout=q_layout, kv_layout="transposed")
+
+
+# --------------------------------------------------- threads and splits ---
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_long_rows_split_across_threads(threads, dtype):
+    """Long rows of a small batch: with 2 threads, split along the slots and merged."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check(1, 8, 1, 1, 128, 9000, [8999], dtype, kv_start=[3])
+        check(3, 4, 2, 1, 64, 9000, [9000, 40, 6000], dtype, kv_start=[0, 39, 5000], window=4000)
+        check(1, 8, 2, 1, 128, 9000, [9000], dtype, kv_start=[8990])  # parts that see nothing
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_ragged_batch_parallel_prefill():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        check(3, 8, 2, 100, 64, 700, [700, 100, 350], kv_start=[0, 50, 3], window=200)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _cpu_has_avx2() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return {"avx2", "fma", "f16c"} <= set(flags)
+
+
+PORTABLE_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {here!r})
+import test_attend as t
+outs = []
+for dt in (torch.float32, torch.bfloat16, torch.float16):
+    outs.append(t.check(2, 8, 2, 7, 64, 150, [150, 40], dt, kv_start=[3, 0], window=100, softcap=5.0)[0])
+outs.append(t.check(2, 4, 2, 3, 20, 90, [90, 5], kv_layout="elem_strided")[0])
+torch.set_num_threads(2)
+outs.append(t.check(1, 8, 1, 1, 128, 9000, [8999])[0])
+torch.save(outs, sys.argv[1])
+"""
+
+
+def test_portable_kernel(tmp_path):
+    """The baseline-ISA kernel (KVCACHE_ATTEND_ISA=generic) against the reference."""
+    path = tmp_path / "outs.pt"
+    env = dict(os.environ, KVCACHE_ATTEND_ISA="generic")
+    proc = subprocess.run(
+        [sys.executable, "-c", PORTABLE_SCRIPT.format(here=HERE), str(path)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if _cpu_has_avx2():
+        # The two kernels round differently (separate multiply and add
+        # against FMA, other summation orders): the subprocess really ran
+        # the other one.
+        here = [
+            check(2, 8, 2, 7, 64, 150, [150, 40], dt, kv_start=[3, 0], window=100, softcap=5.0)[0]
+            for dt in (torch.float32,)
+        ]
+        assert not torch.equal(torch.load(path)[0], here[0])
+
+
+# ------------------------------------------------------------- errors ---
+
+B, H, KVH, S, D, T = 2, 4, 2, 1, 8, 16
+
+
+def args(**over):
+    a = dict(
+        q=torch.randn(B, H, S, D), keys=torch.randn(B, KVH, T, D), values=torch.randn(B, KVH, T, D),
+        lengths=torch.tensor([3, 4], dtype=torch.int32),
+    )
+    a.update(over)
+    return a
+
+
+ERRORS = [
+    (ValueError, r"q must be a 4-D tensor of shape \(batch, num_heads, seq, head_dim\), got 3-D",
+     args(q=torch.randn(H, S, D)), {}),
+    (ValueError, r"keys must be a 4-D tensor .* got 5-D", args(keys=torch.randn(1, B, KVH, T, D)), {}),
+    (ValueError, r"values must have the same shape as keys \[2, 2, 16, 8\], got \[2, 2, 8, 8\]",
+     args(values=torch.randn(B, KVH, 8, D)), {}),
+    (ValueError, r"q must have shape \(batch=2, num_heads, seq, head_dim=8\) to match the cache, got \[1, 4, 1, 8\]",
+     args(q=torch.randn(1, H, S, D)), {}),
+    (ValueError, r"q must have shape .* got \[2, 4, 1, 4\]", args(q=torch.randn(B, H, S, 4)), {}),
+    (ValueError, r"q has num_heads=3, which must be a multiple of the cache's num_kv_heads=2",
+     args(q=torch.randn(B, 3, S, D)), {}),
+    (TypeError, r"q must be a torch.float32, torch.bfloat16 or torch.float16 tensor, got torch.float64",
+     args(q=torch.randn(B, H, S, D, dtype=torch.float64), keys=torch.randn(B, KVH, T, D, dtype=torch.float64),
+          values=torch.randn(B, KVH, T, D, dtype=torch.float64)), {}),
+    (TypeError, r"keys must have the dtype of q torch.float32 \(no implicit casts\), got torch.float16",
+     args(keys=torch.randn(B, KVH, T, D).half()), {}),
+    (TypeError, r"values must have the dtype of q torch.float32 .* got torch.bfloat16",
+     args(values=torch.randn(B, KVH, T, D).bfloat16()), {}),
+    (ValueError, r"keys must be on the device of q \(cpu\), got meta", args(keys=torch.empty(B, KVH, T, D, device="meta")), {}),
+    (ValueError, r"lengths must be on the cache's device \(cpu\), got meta",
+     args(lengths=torch.empty(B, dtype=torch.int32, device="meta")), {}),
+    (ValueError, r"lengths must be <= max_len=16, got 17 at index 1", args(lengths=torch.tensor([3, 17])), {}),
+    (ValueError, r"lengths must be <= max_len=16, got 1099511627776$", args(lengths=torch.tensor(2**40)), {}),
+    (ValueError, r"lengths must be >= seq=1 \(the queries are the last seq filled slots\), got -1 at index 1",
+     args(lengths=torch.tensor([3, -1])), {}),
+    (ValueError, r"lengths must be >= seq=5 .* got 3 at index 0",
+     args(q=torch.randn(B, H, 5, D), lengths=torch.tensor([3, 5])), {}),
+    (ValueError, r"lengths must be >= seq=1 .* got 0$", args(lengths=torch.tensor(0)), {}),
+    (TypeError, r"lengths must be an int32 or int64 tensor, got dtype torch.float32",
+     args(lengths=torch.tensor([3.0, 4.0])), {}),
+    (ValueError, r"lengths must be a 0-D tensor \(one value for every row\) or have shape \(batch=2,\), got shape \[3\]",
+     args(lengths=torch.tensor([3, 4, 5])), {}),
+    (ValueError, r"kv_start must be in \[0, lengths\] = \[0, 4\], got 5 at index 1", args(), {"kv_start": torch.tensor([0, 5])}),
+    (ValueError, r"kv_start must be in \[0, lengths\] = \[0, 3\], got -1 at index 0", args(), {"kv_start": torch.tensor([-1, 0])}),
+    (TypeError, r"kv_start must be an int32 or int64 tensor", args(), {"kv_start": torch.tensor([0.0, 0.0])}),
+    (ValueError, r"kv_start must be a 0-D tensor .* got shape \[1, 2\]", args(), {"kv_start": torch.tensor([[0, 0]])}),
+    (ValueError, r"scale must be a finite number > 0, got 0", args(), {"scale": 0.0}),
+    (ValueError, r"scale must be a finite number > 0, got -1", args(), {"scale": -1.0}),
+    (ValueError, r"scale must be a finite number > 0, got nan", args(), {"scale": float("nan")}),
+    (ValueError, r"scale must be a finite number > 0, got inf", args(), {"scale": float("inf")}),
+    (ValueError, r"window must be >= 0 \(0: no window\), got -1", args(), {"window": -1}),
+    (ValueError, r"softcap must be a finite number >= 0 \(0: no cap\), got -1", args(), {"softcap": -1.0}),
+    (ValueError, r"softcap must be a finite number >= 0 \(0: no cap\), got inf", args(), {"softcap": float("inf")}),
+    (ValueError, r"q must be a strided \(dense\) tensor", args(q=torch.randn(B, H, S, D).to_sparse()), {}),
+    (ValueError, r"q requires grad", args(q=torch.randn(B, H, S, D, requires_grad=True)), {}),
+]
+
+
+@pytest.mark.parametrize("exc,match,a,kw", ERRORS, ids=[e[1][:40] for e in ERRORS])
+def test_errors(exc, match, a, kw):
+    with pytest.raises(exc, match=match):
+        ATTEND(a["q"], a["keys"], a["values"], a["lengths"], **kw)
+
+
+# Checks that need only shapes, dtypes, devices and options (tracing does not
+# know the values of lengths and kv_start).
+TRACED_ERRORS = [
+    e for e in ERRORS
+    if not any(x in e[1] for x in ("lengths must be <=", "lengths must be >=", "kv_start must be in",
+                                   "dense", "requires grad"))
+]
+
+
+@pytest.mark.parametrize("exc,match,a,kw", TRACED_ERRORS, ids=[e[1][:40] for e in TRACED_ERRORS])
+def test_fake_errors_match_eager(exc, match, a, kw):
+    """Traced code (fake tensors) raises what eager raises."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        fake = {k: mode.from_tensor(v) for k, v in a.items()}
+        fkw = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        with pytest.raises(exc, match=match):
+            ATTEND(fake["q"], fake["keys"], fake["values"], fake["lengths"], **fkw)
+
+
+def test_api_errors():
+    cache = kvcache.init_kv_layer_cache(B, KVH, D, T, torch.float32)
+    with pytest.raises(TypeError, match="cache must be a KVLayerCache, got tuple"):
+        kvcache.attend(torch.randn(B, H, S, D), (cache.keys, cache.values, cache.length))
+    with pytest.raises(ValueError, match="lengths must be >= seq=1"):
+        kvcache.attend(torch.randn(B, H, S, D), cache)  # empty cache: nothing written yet
+
+
+def test_errors_leave_inputs_untouched():
+    a = args(lengths=torch.tensor([3, 17]))
+    before = {k: v.clone() for k, v in a.items()}
+    with pytest.raises(ValueError):
+        ATTEND(a["q"], a["keys"], a["values"], a["lengths"])
+    for k in a:
+        assert torch.equal(a[k], before[k]), k
+
+
+# --------------------------------------------------------- torch stack ---
+
+ALL_CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def opcheck_samples():
+    q, (k, v) = make_q(2, 8, 1, 64, torch.float32), make_kv(2, 2, 40, 64, torch.float32)
+    yield "decode", (q, k, v, torch.tensor([40, 3], dtype=torch.int32)), {}
+    q, (k, v) = make_q(2, 4, 6, 32, torch.bfloat16), make_kv(2, 2, 30, 32, torch.bfloat16)
+    yield "prefill-bf16-kv_start", (q, k, v, torch.tensor([30, 6])), {"kv_start": torch.tensor([2, 0])}
+    q, (k, v) = make_q(1, 4, 3, 24, torch.float16, "transposed"), make_kv(1, 1, 20, 24, torch.float16, "fused")
+    yield "fp16-strided-window-softcap", (q, k, v, torch.tensor(17, dtype=torch.int32)), {
+        "window": 4, "softcap": 10.0, "scale": 0.5}
+
+
+@pytest.mark.parametrize("sample", list(opcheck_samples()), ids=lambda s: s[0])
+def test_opcheck(sample):
+    _, a, kw = sample
+    result = opcheck(ATTEND, a, kw, test_utils=ALL_CHECKS)
+    assert set(result) == set(ALL_CHECKS) and all(v == "SUCCESS" for v in result.values()), result
+
+
+@torch.no_grad()
+def test_compiled_decode_loop_without_recompiles():
+    """append_ + attend under torch.compile(fullgraph=True): the lengths advance on the
+    device, so one graph serves every step; results equal eager."""
+    torch._dynamo.reset()
+    b, kvh, h, d, cap = 2, 2, 8, 64, 96
+
+    def step(q, cache, k, v):
+        cache = kvcache.append_kv_layer_cache(cache, k, v)
+        return kvcache.attend(q, cache, window=50, softcap=30.0)
+
+    compiled = torch.compile(step, fullgraph=True)
+
+    def fresh():
+        c = kvcache.init_kv_layer_cache(b, kvh, d, cap, torch.float32)
+        return kvcache.KVLayerCache(c.keys, c.values, torch.tensor([5, 9], dtype=torch.int32))
+
+    eager_cache, comp_cache = fresh(), fresh()
+    g = torch.Generator().manual_seed(7)
+    inputs = [
+        (torch.randn(b, h, 1, d, generator=g), torch.randn(b, kvh, 1, d, generator=g),
+         torch.randn(b, kvh, 1, d, generator=g))
+        for _ in range(40)
+    ]
+    for c in (eager_cache, comp_cache):
+        c.keys[:, :, :9].copy_(torch.randn(b, kvh, 9, d, generator=torch.Generator().manual_seed(1)))
+        c.values[:, :, :9].copy_(torch.randn(b, kvh, 9, d, generator=torch.Generator().manual_seed(2)))
+    q, k, v = inputs[0]
+    torch.testing.assert_close(compiled(q, comp_cache, k, v), step(q, eager_cache, k, v), atol=0, rtol=0)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for q, k, v in inputs[1:]:
+            got = compiled(q, comp_cache, k, v)
+            want = step(q, eager_cache, k, v)
+            assert torch.equal(got, want)
+    assert comp_cache.length.tolist() == [45, 49]
+
+
+class AttendModule(torch.nn.Module):
+    """A module whose cache lives in buffers; forward attends over it."""
+
+    def __init__(self, keys, values, lengths):
+        super().__init__()
+        self.register_buffer("keys", keys)
+        self.register_buffer("values", values)
+        self.register_buffer("lengths", lengths)
+
+    def forward(self, q, kv_start):
+        cache = kvcache.KVLayerCache(self.keys, self.values, self.lengths)
+        return kvcache.attend(q, cache, kv_start=kv_start, window=20)
+
+
+@torch.no_grad()
+def test_export():
+    keys, values = make_kv(2, 2, 50, 32, torch.float32)
+    module = AttendModule(keys, values, torch.tensor([50, 30], dtype=torch.int32))
+    q = make_q(2, 4, 3, 32, torch.float32)
+    kv_start = torch.tensor([0, 10])
+    exported = torch.export.export(module, (q, kv_start))
+    nodes = [n for n in exported.graph.nodes if n.op == "call_function" and "kvcache.attend" in str(n.target)]
+    assert len(nodes) == 1
+    q2 = make_q(2, 4, 3, 32, torch.float32, seed=5)
+    got = exported.module()(q2, kv_start)
+    want = reference(q2, keys, values, module.lengths, kv_start=kv_start, window=20)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1.3e-6)
+
+
+def test_torchscript():
+    def fn(q: torch.Tensor, cache: kvcache.KVLayerCache, kv_start: torch.Tensor) -> torch.Tensor:
+        return kvcache.attend(q, cache, kv_start, 0.2, 10, 5.0)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scripted = torch.jit.script(fn)
+    assert "kvcache::attend" in str(scripted.inlined_graph)
+    keys, values = make_kv(2, 2, 40, 16, torch.float32)
+    cache = kvcache.KVLayerCache(keys, values, torch.tensor([40, 25], dtype=torch.int32))
+    q = make_q(2, 4, 2, 16, torch.float32)
+    kv_start = torch.tensor([1, 20])
+    got = scripted(q, cache, kv_start)
+    want = reference(q, keys, values, cache.length, kv_start=kv_start, scale=0.2, window=10, softcap=5.0)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1.3e-6)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-4), (torch.bfloat16, 0.25)], ids=["float32", "bfloat16"])
+def test_decoder_cached_logits_match_uncached_across_blocks(dtype, tol):
+    """Chunked prefill and decode through attend over more than two 64-slot blocks,
+    against the model recomputed without a cache (a GQA ratio of 4)."""
+    from kvcache.models import Decoder
+
+    cfg = kvcache.TransformerConfig(num_layers=2, num_heads=8, d_model=128, max_len=200, num_kv_heads=2)
+    model = Decoder(cfg, seed=4, dtype=dtype).eval()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 150), generator=torch.Generator().manual_seed(9))
+    full = model.forward_no_cache(tokens)
+    caches = list(kvcache.init_decoder_kv_caches_from_config(cfg, batch_size=2, dtype=dtype))
+    logits = []
+    pos = 0
+    for chunk in (70, 60):  # chunked prefill: 70, then 60 more
+        out, caches = model(tokens[:, pos : pos + chunk], torch.tensor(pos), caches)
+        logits.append(out)
+        pos += chunk
+    for _ in range(20):  # decode
+        out, caches = model(tokens[:, pos : pos + 1], torch.tensor(pos), caches)
+        logits.append(out)
+        pos += 1
+    torch.testing.assert_close(torch.cat(logits, 1), full, atol=tol, rtol=tol)
