@@ -38,9 +38,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from typing import Dict, List
 
 import torch
@@ -50,6 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kvcache  # noqa: E402
 from common import (  # noqa: E402
+    cpu_times,
     add_common_args,
     environment,
     measure_many,
@@ -94,25 +93,6 @@ def decode_methods(filled, capacity, dtype):
 
 def ratio(res, a, b, key="median_us"):
     return res[a][key] / res[b][key]
-
-
-def cpu_times(fns: Dict, min_time: float, rounds: int) -> Dict:
-    """Per-call CPU time of the calling thread (µs, median over interleaved rounds).
-
-    On a machine shared with other work, wall time at 1 thread includes the
-    time the process waits for a core; the thread's CPU time does not. Only
-    meaningful when the work runs on the calling thread (1 thread).
-    """
-    samples = {k: [] for k in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            fn()
-            t0, n = time.thread_time_ns(), 0
-            while time.thread_time_ns() - t0 < min_time / rounds * 1e9 or n < 2:
-                fn()
-                n += 1
-            samples[name].append((time.thread_time_ns() - t0) / n / 1e3)
-    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 def measure(fns: Dict, args, threads: int, scale: float = 1.0) -> Dict:

@@ -27,17 +27,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
-from typing import Dict, List
+from typing import List
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kvcache  # noqa: E402
-from common import add_common_args, environment, measure_many, num_threads, print_table, thread_settings, write_json  # noqa: E402,E501
+from common import add_common_args, cpu_times, environment, measure_many, num_threads, print_table, thread_settings, write_json  # noqa: E402,E501
 from kvcache.models import Decoder  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -85,7 +83,7 @@ def run(args, threads: int) -> List[dict]:
             fns[(cap, path)] = decoder_fn(args, cap, path, prompt)
         same[cap] = torch.equal(fns[(cap, "kvcache")](), fns[(cap, "sdpa")]())
     res = measure_many(fns, torch.device("cpu"), args.min_time * len(fns), args.rounds)
-    cpu = cpu_times(fns, args.min_time * len(fns), args.rounds) if threads == 1 else {}
+    cpu = cpu_times(fns, args.min_time * len(fns), args.rounds, warmup=False) if threads == 1 else {}
     del fns
     tokens = args.batch * args.new_tokens
     rows = []
@@ -104,24 +102,6 @@ def run(args, threads: int) -> List[dict]:
         r["vs_smallest_capacity"] = r["tok_per_s"] / base["tok_per_s"]
         r["spread"] = f"{r['tok_per_s_min']:.0f}-{r['tok_per_s_max']:.0f}"
     return rows
-
-
-def cpu_times(fns: Dict, min_time: float, rounds: int) -> Dict:
-    """Per-call CPU time of the calling thread (µs, median over interleaved rounds).
-
-    At 1 thread the whole model runs on the calling thread; its CPU time
-    leaves out the waits for a core that wall time includes on a shared
-    machine.
-    """
-    samples = {k: [] for k in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t0, n = time.thread_time_ns(), 0
-            while time.thread_time_ns() - t0 < min_time / rounds * 1e9 or n < 1:
-                fn()
-                n += 1
-            samples[name].append((time.thread_time_ns() - t0) / n / 1e3)
-    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 def targets(rows: List[dict], threads: int) -> List[dict]:

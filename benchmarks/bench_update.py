@@ -33,7 +33,6 @@ from common import (  # noqa: E402
     measure_many,
     num_threads,
     print_table,
-    sync,
     thread_settings,
     write_json,
 )

@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import statistics
+import time
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterable, List, Optional
 
@@ -81,6 +82,27 @@ def measure_many(
             "rounds": len(ms),
         }
     return out
+
+
+def cpu_times(fns: Dict[str, Callable[[], object]], min_time: float, rounds: int = 3,
+              warmup: bool = True) -> Dict[str, float]:
+    """Per-call CPU time of the calling thread (µs, median over interleaved rounds).
+
+    On a machine shared with other work, wall time at 1 thread includes the
+    time the process waits for a core; the thread's CPU time does not. Only
+    meaningful when the work runs on the calling thread (1 thread).
+    """
+    samples: Dict[str, List[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if warmup:
+                fn()
+            t0, n = time.thread_time_ns(), 0
+            while time.thread_time_ns() - t0 < min_time / rounds * 1e9 or n < (2 if warmup else 1):
+                fn()
+                n += 1
+            samples[name].append((time.thread_time_ns() - t0) / n / 1e3)
+    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 def print_table(title: str, rows: List[dict], cols: List[str]) -> None:

@@ -140,10 +140,10 @@ void check_cache(const at::Tensor& keys, const at::Tensor& values) {
   // A cache whose elements share bytes, or whose keys and values share
   // bytes, is corrupted by any write. Interleaved views of one buffer (a
   // fused (..., 2, head_dim) K/V layout) share none and are fine.
-  TORCH_CHECK_VALUE(!self_overlaps(box_of(keys)),
+  TORCH_CHECK_VALUE(!self_overlaps(keys),
                     "keys must not have internally overlapping memory (for "
                     "example an expand()ed tensor)");
-  TORCH_CHECK_VALUE(!self_overlaps(box_of(values)),
+  TORCH_CHECK_VALUE(!self_overlaps(values),
                     "values must not have internally overlapping memory (for "
                     "example an expand()ed tensor)");
   TORCH_CHECK_VALUE(!overlaps(box_of(keys), box_of(values)),

@@ -4,7 +4,7 @@
 #include <ATen/core/stack.h>
 #include <c10/core/GradMode.h>
 
-#include <vector>
+#include <c10/util/SmallVector.h>
 
 #include "checks.h"
 
@@ -42,7 +42,7 @@ void version_bump_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
                          torch::jit::Stack* stack) {
   const auto& args = op.schema().arguments();
   const size_t first = first_arg(op, stack);
-  std::vector<at::Tensor> written;
+  c10::SmallVector<at::Tensor, 4> written;  // no heap allocation per call
   for (size_t i = 0; i < args.size(); ++i) {
     const c10::IValue& v = (*stack)[first + i];
     if (args[i].alias_info() != nullptr && args[i].alias_info()->isWrite() &&

@@ -169,6 +169,28 @@ Box box_of(const at::Tensor& t) {
   TORCH_INTERNAL_ASSERT(t.dim() <= kMaxDims);
   b.ndim = static_cast<int>(t.dim());
   b.elem = static_cast<int64_t>(t.element_size());
+  if (!t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+    // Eager tensors: plain sizes and strides (the per-call cost of every
+    // update's checks; SymInt accessors cost more).
+    const auto sizes = t.sizes();
+    const auto strides = t.strides();
+    for (int k = 0; k < b.ndim; ++k) {
+      b.size[k] = sizes[k];
+      b.stride[k] = strides[k] * b.elem;
+    }
+    if (!t.has_storage()) {
+      b.known = false;
+      return b;
+    }
+    const void* base = t.storage().data();
+    if (base != nullptr) {
+      b.offset = reinterpret_cast<intptr_t>(base) + t.storage_offset() * b.elem;
+    } else {
+      b.storage = t.storage().unsafeGetStorageImpl();
+      b.offset = t.storage_offset() * b.elem;
+    }
+    return b;
+  }
   for (int k = 0; k < b.ndim; ++k) {
     const auto size = t.sym_size(k).maybe_as_int();
     const auto stride = t.sym_stride(k).maybe_as_int();
@@ -212,6 +234,22 @@ bool overlaps(const Box& a, const Box& b) {
   if (!a.known || !b.known || a.storage != b.storage) {
     return false;
   }
+  // Disjoint byte bounds (separate allocations: nearly every call) decide it
+  // without sorting dims. Strides are never negative.
+  auto raw_bounds = [](const Box& x, int64_t* lo, int64_t* hi) {
+    *lo = x.offset;
+    *hi = x.offset + x.elem;
+    for (int k = 0; k < x.ndim; ++k) {
+      if (x.size[k] == 0) return false;  // no bytes
+      *hi += (x.size[k] - 1) * x.stride[k];
+    }
+    return true;
+  };
+  int64_t alo0, ahi0, blo0, bhi0;
+  if (!raw_bounds(a, &alo0, &ahi0) || !raw_bounds(b, &blo0, &bhi0) ||
+      ahi0 <= blo0 || bhi0 <= alo0) {
+    return false;
+  }
   const Canon ca = canon(a);
   const Canon cb = canon(b);
   if (ca.elem == 0 || cb.elem == 0) {
@@ -247,6 +285,15 @@ bool overlaps(const Box& a, const Box& b) {
     }
   }
   return false;
+}
+
+bool self_overlaps(const at::Tensor& t) {
+  // Cached by the tensor: true for every contiguous or permuted-dense cache.
+  if (!t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() &&
+      t.is_non_overlapping_and_dense()) {
+    return false;
+  }
+  return self_overlaps(box_of(t));
 }
 
 bool self_overlaps(const Box& a) {

@@ -55,6 +55,7 @@ bool overlaps(const Box& a, const Box& b);
 // Whether two different elements of `a` share a byte (expand()ed or
 // as_strided views whose elements overlap).
 bool self_overlaps(const Box& a);
+bool self_overlaps(const at::Tensor& t);  // with a fast path for dense tensors
 
 }  // namespace detail
 }  // namespace kvcache

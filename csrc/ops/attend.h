@@ -48,7 +48,7 @@ struct AttendParams {
   // On the device (CUDA reads them there; out-of-range rows get NaN).
   IntRows lengths;
   IntRows kv_start;  // absent: 0
-  // CPU: the checked values, one entry or one per row.
+  // CPU: the checked values, one per row.
   const int64_t* host_lengths = nullptr;
   const int64_t* host_kv_start = nullptr;  // nullptr: 0
   // The tensors' device index (CUDA: the device the kernels run on).

@@ -245,7 +245,7 @@ std::vector<int64_t> check_append(const at::Tensor& keys,
                                   bool values_known) {
   const Shape g = check_tensors(keys, values, keys_new, values_new);
   check_writable(lengths, "lengths");
-  TORCH_CHECK_VALUE(!self_overlaps(box_of(lengths)),
+  TORCH_CHECK_VALUE(!self_overlaps(lengths),
                     "lengths must not have internally overlapping memory (it "
                     "is written in place, one entry per row)");
   check_start_meta(keys, values, keys_new, values_new, lengths, "lengths", g);
