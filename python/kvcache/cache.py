@@ -220,13 +220,13 @@ def init_decoder_kv_caches_from_config(
         config: Transformer hyperparameters.
         batch_size: Batch dimension.
         max_len: Maximum cached length. Defaults to
-            ``config.kv_cache_max_len`` if set, otherwise ``config.max_len``.
+            ``config.kv_cache_max_len`` (which defaults to ``config.max_len``).
         dtype: Buffer dtype.
         device: Buffer device; ``None`` means CPU.
 
     Returns:
         Tuple of ``config.num_layers`` :class:`KVLayerCache` objects with
-        ``num_kv_heads = config.num_kv_heads or config.num_heads`` and
+        ``num_kv_heads = config.num_kv_heads`` and
         ``head_dim = config.d_model // config.num_heads``.
 
     Raises:
@@ -235,11 +235,11 @@ def init_decoder_kv_caches_from_config(
     """
     if not isinstance(config, TransformerConfig):
         raise TypeError(f"config must be a TransformerConfig, got {type(config).__name__}")
-    cap = max_len if max_len is not None else config.cache_len
+    cap = max_len if max_len is not None else config.kv_cache_max_len
     return init_decoder_kv_caches(
         num_layers=config.num_layers,
         batch_size=batch_size,
-        num_kv_heads=config.kv_heads,
+        num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
         max_len=cap,
         dtype=dtype,

@@ -17,10 +17,10 @@ class TransformerConfig:
             (``head_dim = d_model // num_heads``).
         max_len: Maximum sequence length the model supports.
         num_kv_heads: Number of key/value heads for grouped-query attention;
-            ``None`` means ``num_heads`` (multi-head attention). Must divide
-            ``num_heads``.
+            ``None`` means ``num_heads`` (multi-head attention), and the field
+            then holds ``num_heads``. Must divide ``num_heads``.
         kv_cache_max_len: Capacity of the KV caches; ``None`` means
-            ``max_len``.
+            ``max_len``, and the field then holds ``max_len``.
         vocab_size: Vocabulary size of the token embedding.
         d_ff: Hidden width of the MLP; ``None`` means ``4 * d_model``.
         rope_theta: Base of the rotary position embedding frequencies.
@@ -53,26 +53,22 @@ class TransformerConfig:
                 f"d_model ({self.d_model}) must be divisible by num_heads "
                 f"({self.num_heads})"
             )
-        if self.num_heads % self.kv_heads != 0:
+        # One name per quantity: the optional fields hold their resolved
+        # value (what the JAX original computes at each use with `or`).
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.kv_cache_max_len is None:
+            object.__setattr__(self, "kv_cache_max_len", self.max_len)
+        if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be divisible by "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
 
     @property
-    def kv_heads(self) -> int:
-        """Number of KV heads: ``num_kv_heads or num_heads``."""
-        return self.num_kv_heads or self.num_heads
-
-    @property
     def head_dim(self) -> int:
         """Per-head feature size: ``d_model // num_heads``."""
         return self.d_model // self.num_heads
-
-    @property
-    def cache_len(self) -> int:
-        """Default KV cache capacity: ``kv_cache_max_len or max_len``."""
-        return self.kv_cache_max_len or self.max_len
 
 
 def _check_positive(name: str, value) -> None:

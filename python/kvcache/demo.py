@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     generated = args.batch * args.new_tokens
     print(
         f"kvcache demo: {args.layers} layers, d_model {args.d_model}, {args.heads} heads / "
-        f"{config.kv_heads} KV heads, batch {args.batch}, prompt {args.prompt_len}, "
+        f"{config.num_kv_heads} KV heads, batch {args.batch}, prompt {args.prompt_len}, "
         f"{args.new_tokens} new tokens, cache capacity {capacity}, {args.dtype} on {device} "
         f"(torch {torch.__version__})"
     )

@@ -70,7 +70,7 @@ def test_inductor_calls_op_on_whole_cache_buffers(model):
     assert len(calls) == CFG.num_layers, code
     for keys_arg, values_arg in calls:
         assert re.fullmatch(r"arg\d+_1", keys_arg) and re.fullmatch(r"arg\d+_1", values_arg), calls
-    cache_shape = f"({BATCH}, {CFG.kv_heads}, {CFG.max_len}, {CFG.head_dim})"
+    cache_shape = f"({BATCH}, {CFG.num_kv_heads}, {CFG.max_len}, {CFG.head_dim})"
     allocations = [line for line in code.splitlines() if "empty_strided" in line and cache_shape in line]
     assert not allocations, allocations  # no cache-sized buffer is ever allocated
     assert "aten.clone" not in code and ".clone(" not in code

@@ -139,7 +139,12 @@ def test_config_validation():
     with pytest.raises(TypeError, match="max_len must be an int"):
         TransformerConfig(num_layers=1, num_heads=4, d_model=32, max_len=8.0)
     cfg = TransformerConfig(num_layers=1, num_heads=4, d_model=32, max_len=8, num_kv_heads=2)
-    assert (cfg.kv_heads, cfg.head_dim, cfg.cache_len) == (2, 8, 8)
+    assert (cfg.num_kv_heads, cfg.head_dim, cfg.kv_cache_max_len) == (2, 8, 8)
+    # the optional fields hold their resolved value: one name per quantity
+    mha = TransformerConfig(num_layers=1, num_heads=4, d_model=32, max_len=8)
+    assert (mha.num_kv_heads, mha.kv_cache_max_len) == (4, 8)
+    assert mha == TransformerConfig(num_layers=1, num_heads=4, d_model=32, max_len=8, num_kv_heads=4,
+                                    kv_cache_max_len=8)
     with pytest.raises(Exception):
         cfg.num_layers = 3  # type: ignore[misc]
 

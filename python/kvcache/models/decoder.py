@@ -96,7 +96,7 @@ class Attention(nn.Module):
         super().__init__()
         self.attention = attention
         self.num_heads = config.num_heads
-        self.num_kv_heads = config.kv_heads
+        self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         d = config.d_model
         self.wq = nn.Linear(d, self.num_heads * self.head_dim, bias=False)
@@ -293,7 +293,7 @@ class StatefulDecoder(nn.Module):
     Args:
         model: The decoder (its weights are shared, not copied).
         batch_size: Batch size of the caches.
-        max_len: Cache capacity; defaults to ``model.config.cache_len``.
+        max_len: Cache capacity; defaults to ``model.config.kv_cache_max_len``.
         dtype: Cache dtype; defaults to the model's parameter dtype.
     """
 
@@ -302,10 +302,10 @@ class StatefulDecoder(nn.Module):
         super().__init__()
         cfg = model.config
         dtype = dtype if dtype is not None else model.embed.weight.dtype
-        cap = max_len if max_len is not None else cfg.cache_len
+        cap = max_len if max_len is not None else cfg.kv_cache_max_len
         self.model = model
         self.caches = nn.ModuleList(
-            [CacheBuffers(batch_size, cfg.kv_heads, cfg.head_dim, cap, dtype) for _ in range(cfg.num_layers)]
+            [CacheBuffers(batch_size, cfg.num_kv_heads, cfg.head_dim, cap, dtype) for _ in range(cfg.num_layers)]
         )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

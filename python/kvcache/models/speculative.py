@@ -72,7 +72,7 @@ def init_caches(model: nn.Module, batch_size: int, max_len: int, device=None, dt
     device = device if device is not None else model.embed.weight.device
     caches = []
     for _ in model.blocks:
-        c = init_kv_layer_cache(batch_size, cfg.kv_heads, cfg.head_dim, max_len, dtype, device)
+        c = init_kv_layer_cache(batch_size, cfg.num_kv_heads, cfg.head_dim, max_len, dtype, device)
         caches.append(KVLayerCache(c.keys, c.values, torch.zeros(batch_size, dtype=torch.int32, device=device)))
     return caches
 
