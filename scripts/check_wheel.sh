@@ -55,7 +55,7 @@ names = tarfile.open(sdist).getnames()
 root = names[0].split("/")[0]
 for want in ["CMakeLists.txt", "cmake/build_settings.json", "cmake/kvcacheConfig.cmake", "LICENSE",
              "csrc/include/kvcache/kvcache.h", "csrc/core/checks.h", "csrc/python/module.cpp",
-             "tests/python/conftest.py", "tests/cpp/main.cpp", "scripts/test.sh", "benchmarks/common.py"]:
+             "tests/python/kv_testing.py", "tests/cpp/main.cpp", "scripts/test.sh", "benchmarks/common.py"]:
     assert f"{root}/{want}" in names, f"sdist lacks {want}"
 bad = [n for n in names if n.endswith((".so", ".o")) or "_build_info.py" in n]
 assert not bad, f"sdist holds build outputs: {bad}"

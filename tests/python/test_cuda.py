@@ -18,7 +18,7 @@ import torch
 
 import kvcache
 
-from conftest import ALL_DTYPES, as_bytes, assert_same, random_tensor, reference_update
+from kv_testing import ALL_DTYPES, as_bytes, assert_same, random_tensor, reference_update
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and kvcache.build_info()["with_cuda"]),

@@ -8,7 +8,7 @@ import torch
 import kvcache
 from kvcache import TransformerConfig
 
-from conftest import ALL_DTYPES, assert_same
+from kv_testing import ALL_DTYPES, assert_same
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)

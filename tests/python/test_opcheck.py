@@ -8,7 +8,7 @@ from torch.library import opcheck
 
 import kvcache  # noqa: F401
 
-from conftest import random_tensor
+from kv_testing import random_tensor
 
 ALL_CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 

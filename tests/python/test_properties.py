@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import kvcache  # noqa: E402,F401
-from conftest import ALL_DTYPES, random_tensor  # noqa: E402
+from kv_testing import ALL_DTYPES, random_tensor  # noqa: E402
 
 _COMMON = dict(
     deadline=None,

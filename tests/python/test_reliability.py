@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import kvcache
-from conftest import assert_same, random_tensor
+from kv_testing import assert_same, random_tensor
 
 INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)

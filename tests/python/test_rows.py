@@ -7,7 +7,7 @@ import torch
 
 import kvcache
 
-from conftest import ALL_DTYPES, assert_same, random_tensor
+from kv_testing import ALL_DTYPES, assert_same, random_tensor
 
 B, H, T, D = 4, 2, 16, 8
 

@@ -1,8 +1,8 @@
-"""Shared helpers: an independent plain-PyTorch reference and data makers."""
+"""Shared test helpers: data makers, byte-exact comparison and an independent plain-PyTorch
+reference of the update. Test files import it by name: pytest puts this folder on sys.path."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import kvcache  # noqa: F401  (loads the operators)
@@ -81,8 +81,3 @@ def reference_update(keys, values, keys_new, values_new, starts):
         keys[b, :, s : s + chunk] = keys_new[b]
         values[b, :, s : s + chunk] = values_new[b]
     return keys, values
-
-
-@pytest.fixture
-def cpu():
-    return torch.device("cpu")
