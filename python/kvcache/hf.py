@@ -547,7 +547,7 @@ class KVCache(Cache):
         dev = torch.device(device) if device is not None else None
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self.config = text
-        self.max_cache_len = max_cache_len
+        self._max_cache_len = max_cache_len
 
         for attr in ("num_kv_shared_layers", "kv_sharing_modes"):
             v = getattr(text, attr, None)
@@ -603,6 +603,11 @@ class KVCache(Cache):
 
     def __repr__(self) -> str:
         return f"KVCache(max_cache_len={self.max_cache_len}, layers={self.layers})"
+
+    @property
+    def max_cache_len(self) -> int:
+        """Slots per row (transformers 5.18's base class has a deprecated property of this name)."""
+        return self._max_cache_len
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Writes this step's keys/values for ``layer_idx`` and returns what its attention reads.
