@@ -3,7 +3,7 @@
 ``python benchmarks/bench_hf.py [--threads 1 0] [--max-cache-lens 1024 4096] [--quick] [--json F]``
 
 Eager greedy ``model.generate`` of a random-weight Llama-style model (4
-layers, hidden 512, 8 heads, 2 KV heads, head_dim 64, vocab 32000), a
+layers, hidden 512, 8 heads, 2 KV heads, head_dim 64, MLP 1536, vocab 32000 by default), a
 16-token prompt, 128 new tokens, at each ``max_cache_len``. The contenders
 run interleaved in one process (see common.py: median and min-max over
 rounds):
@@ -58,13 +58,13 @@ def build_model(args, device):
     cfg = LlamaConfig(
         vocab_size=args.vocab,
         hidden_size=512,
-        intermediate_size=1536,
+        intermediate_size=args.intermediate,
         num_hidden_layers=4,
         num_attention_heads=8,
         num_key_value_heads=2,
         max_position_embeddings=max(args.max_cache_lens) * 2,
     )
-    model = LlamaForCausalLM(cfg).to(device=device, dtype=args.dtype).eval()
+    model = LlamaForCausalLM(cfg).to(device=device, dtype=args.torch_dtype).eval()
     model.generation_config.pad_token_id = 0
     return model
 
@@ -128,11 +128,12 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--intermediate", type=int, default=1536, help="MLP width")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per case (spread = min-max over them)")
     p.set_defaults(min_time=10.0)
     args = p.parse_args(argv)
-    args.dtype = getattr(torch, args.dtype)
+    args.torch_dtype = getattr(torch, args.dtype)
     if args.quick:
         args.min_time, args.rounds, args.new_tokens = 0.5, 2, min(args.new_tokens, 32)
     return args
@@ -149,7 +150,7 @@ def main(argv=None) -> int:
     env["transformers"] = transformers.__version__
     print(f"## Hugging Face generate: torch {env['torch']}, transformers {env['transformers']}, {device}, "
           f"default {env['default_threads']} CPU threads; Llama 4 layers, hidden 512, 8 heads, 2 KV heads, "
-          f"vocab {args.vocab}, {args.dtype}, batch {args.batch}, prompt {args.prompt_len}, "
+          f"MLP {args.intermediate}, vocab {args.vocab}, {args.dtype}, batch {args.batch}, prompt {args.prompt_len}, "
           f"{args.new_tokens} new tokens, greedy, eager")
     rows: List[dict] = []
     for t in thread_settings(args.threads if device.type == "cpu" else [0]):
@@ -157,6 +158,7 @@ def main(argv=None) -> int:
             r = case_generate(args, device, actual)
         rows.extend(r)
         print_table(f"greedy decode tokens/s (median, min-max over {args.rounds} rounds), {actual} thread(s)", r, COLS)
+    args.torch_dtype = str(args.torch_dtype)
     write_json(args.json, env, args, rows)
     return 0
 

@@ -104,6 +104,7 @@ never imports transformers, only ``import kvcache.hf`` does.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import operator
 import warnings
@@ -241,6 +242,16 @@ class KVCacheLayer(CacheLayerMixin):
     def __repr__(self) -> str:
         kind = f"window={self.window}" if self.window else "full"
         return f"KVCacheLayer({kind}, max_cache_len={self.max_cache_len})"
+
+    def __deepcopy__(self, memo):
+        # A copy owns new buffers: register them, so the attention finds the copy's lengths.
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            setattr(new, k, copy.deepcopy(v, memo))
+        if new.is_initialized:
+            _register(new)
+        return new
 
     # -- allocation --------------------------------------------------------
 

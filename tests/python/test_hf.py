@@ -196,6 +196,14 @@ def test_kvcache_attention_with_transformers_caches(arch):
     assert_tokens(generate(model, ids, mask, impl="kvcache", use_cache=False), ref)
 
 
+def test_chunked_prefill():
+    model = model_for("qwen2")
+    ids, mask = inputs(2)
+    ref = generate(model, ids, mask, DynamicCache(config=model.config))
+    out = generate(model, ids, mask, kh.KVCache(model.config, MAX_LEN), impl="kvcache", prefill_chunk_size=4)
+    assert_tokens(out, ref)
+
+
 def test_allocates_up_front_and_keeps_addresses():
     model = model_for("llama")
     ids, mask = inputs(2)
@@ -210,6 +218,44 @@ def test_allocates_up_front_and_keeps_addresses():
     assert ptrs == [(l.keys.data_ptr(), l.values.data_ptr(), l.lengths.data_ptr()) for l in cache.layers]
     lazy = kh.KVCache(model.config, MAX_LEN)
     assert not lazy.is_initialized and all(l.keys is None for l in lazy.layers)
+
+
+def test_gemma2_softcap_scaling_and_alternating_windows():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(**{**COMMON, "num_hidden_layers": 4}, head_dim=16, sliding_window=WINDOW,
+                       attn_logit_softcapping=2.0, query_pre_attn_scalar=24, final_logit_softcapping=None)
+    model = Gemma2ForCausalLM(cfg).eval()
+    assert cfg.layer_types[:2] == ["sliding_attention", "full_attention"]
+    ids, mask = inputs(2)
+    ref = generate(model, ids, mask, DynamicCache(config=cfg), impl="eager")  # sdpa has no softcap
+    cache = kh.KVCache(cfg, MAX_LEN)
+    assert [l.window for l in cache.layers] == [WINDOW, 0, WINDOW, 0]
+    assert_tokens(generate(model, ids, mask, cache, impl="kvcache"), ref)
+    # the reference depends on the softcap: without it the tokens change
+    nocap = Gemma2ForCausalLM(Gemma2Config(**{**COMMON, "num_hidden_layers": 4}, head_dim=16, sliding_window=WINDOW,
+                                           attn_logit_softcapping=None, query_pre_attn_scalar=24,
+                                           final_logit_softcapping=None)).eval()
+    nocap.load_state_dict(model.state_dict())
+    assert not torch.equal(generate(nocap, ids, mask, impl="eager"), ref)
+
+
+def test_deepcopy_registers_the_copy():
+    model = model_for("llama")
+    model.set_attn_implementation("kvcache")
+    ids, mask = inputs(2)
+    cache = kh.KVCache(model.config, MAX_LEN)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, **{kh.CACHE_ARG: cache})
+    twin = copy.deepcopy(cache)
+    for a, b in zip(cache.layers, twin.layers):
+        assert kh._layer_of(b.keys, b.values) is b and kh._layer_of(a.keys, a.values) is a
+        assert b.keys.data_ptr() != a.keys.data_ptr() and torch.equal(a.keys, b.keys)
+        assert torch.equal(a.lengths, b.lengths)
+    twin.crop(-2)  # the copy moves alone
+    assert [int(l.lengths[0]) for l in cache.layers] == [ids.shape[1]] * 2
+    assert [int(l.lengths[0]) for l in twin.layers] == [ids.shape[1] - 2] * 2
 
 
 def test_hybrid_model_falls_back_to_transformers_layers():
