@@ -742,9 +742,7 @@ def kvcache_mask(
     return torch.stack((kv_start, total_t), dim=-1).view(batch_size, 1, 1, 2)
 
 
-def _split_mask(attention_mask: Optional[torch.Tensor], batch: int):
-    if attention_mask is None:
-        return None, None
+def _check_mask(attention_mask) -> None:
     if (
         not isinstance(attention_mask, torch.Tensor)
         or attention_mask.dtype != torch.int32
@@ -755,8 +753,6 @@ def _split_mask(attention_mask: Optional[torch.Tensor], batch: int):
         raise ValueError(
             "attn_implementation='kvcache' takes the (batch, 1, 1, 2) int32 masks kvcache.hf builds from a 2-D "
             f"attention mask; got {shape} (pass a 2-D attention_mask, not a prepared 4-D one)")
-    flat = attention_mask.reshape(attention_mask.shape[0], 2)
-    return flat[:, 0], flat[:, 1]
 
 
 def kvcache_attention(
@@ -803,17 +799,21 @@ def kvcache_attention(
     for name in ("s_aux", "sinks", "position_bias"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"attn_implementation='kvcache' does not support {name}")
-    kv_start, total = _split_mask(attention_mask, query.shape[0])
+    if attention_mask is not None:
+        _check_mask(attention_mask)
     layer = _layer_of(key, value)
     if layer is not None:
         lengths, window = layer.lengths, layer.window
+        kv_start = None if attention_mask is None else attention_mask.view(-1, 2).select(1, 0)
     else:
         # Keys that hold a contiguous run of tokens ending at the last query.
         key_len = key.shape[-2]
         window = int(sliding_window or 0)
-        if total is None:
+        if attention_mask is None:
+            kv_start = None
             lengths = torch.full((), key_len, dtype=torch.int32, device=key.device)
         else:
+            kv_start, total = attention_mask.view(-1, 2).unbind(1)
             lengths = total.clamp(max=key_len)
             kv_start = (kv_start - (total - lengths)).clamp(min=0)
     out = _attend_op(query, key, value, lengths, kv_start=kv_start, scale=scaling, window=window,
