@@ -24,7 +24,7 @@ The switch, in your own code::
     model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="kvcache")
     out = model.generate(**inputs, past_key_values=kvcache.hf.KVCache(model.config, 4096))
 
-(transformers 5.2x names the argument ``cache=``; ``past_key_values=`` still
+(transformers 5.24 names the argument ``cache=``; ``past_key_values=`` still
 works there with a FutureWarning; ``kvcache.hf.CACHE_ARG`` is the installed
 version's name.)
 """

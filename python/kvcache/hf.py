@@ -6,7 +6,7 @@ Usage (one switch in the model, one in ``generate``)::
 
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="kvcache")
     cache = kvcache.hf.KVCache(model.config, max_cache_len=4096)
-    out = model.generate(**inputs, past_key_values=cache)  # ``cache=cache`` from transformers 5.2x
+    out = model.generate(**inputs, past_key_values=cache)  # transformers 5.24 names it ``cache=``
 
 :class:`KVCache` is a ``transformers.Cache`` whose full-attention (and, by
 default, sliding-window) layers hold kvcache buffers ``(batch, num_kv_heads,
@@ -135,7 +135,7 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
 
 from . import cache as _cache  # loads the operators (through the package __init__)
 
-# Attention-free layers: DummyLayer from transformers 5.2x; 5.18 used LinearAttentionLayer for them.
+# Attention-free layers: DummyLayer in transformers 5.24; 5.18 used LinearAttentionLayer for them.
 _NoKVLayer = getattr(_cache_utils, "DummyLayer", None)
 
 __all__ = ["ATTN_IMPLEMENTATION", "CACHE_ARG", "KVCache", "KVCacheLayer", "kvcache_attention", "kvcache_mask"]
@@ -151,8 +151,8 @@ _init_op = torch.ops.kvcache.init_layer_cache.default
 
 
 def _cache_arg_name() -> str:
-    # transformers 5.2x renamed generate's/forward's `past_key_values` to `cache`
-    # (the old name still works there, with a FutureWarning).
+    # transformers renamed generate's/forward's `past_key_values` to `cache` after
+    # 5.18 (5.24 still takes the old name, with a FutureWarning).
     from transformers.generation.utils import GenerationMixin
 
     params = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
@@ -161,7 +161,7 @@ def _cache_arg_name() -> str:
 
 CACHE_ARG = _cache_arg_name()
 """The keyword ``generate`` and the models take the cache by in the installed
-transformers: ``"cache"`` (5.2x) or ``"past_key_values"`` (5.18); for code
+transformers: ``"cache"`` (5.24) or ``"past_key_values"`` (5.18); for code
 that runs on both: ``model.generate(**inputs, **{kvcache.hf.CACHE_ARG: cache})``."""
 
 

@@ -386,6 +386,28 @@ def test_compiled_decode_one_graph_kvcache_ops_on_buffers():
     assert allocs and not any(str(cap) in [s.strip() for s in a.split(",")] for a in allocs), allocs
 
 
+@torch.no_grad()
+def test_fullgraph_forward_with_preallocated_cache_prefill_and_decode():
+    # The whole forward, prefill included, traced in one graph per shape (the
+    # mask builder and the registry lookup included): what torch.export needs.
+    model = model_for("qwen2")
+    model.set_attn_implementation("kvcache")
+    ids, mask = inputs(2)
+    eager_cache = kh.KVCache(model.config, MAX_LEN, batch_size=2, dtype=torch.float32, device="cpu")
+    cache = kh.KVCache(model.config, MAX_LEN, batch_size=2, dtype=torch.float32, device="cpu")
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    torch._dynamo.reset()
+    x, m = ids, mask
+    for step in range(3):
+        pos = (m.cumsum(-1) - 1).clamp(min=0)[:, -x.shape[1]:]
+        want = model(input_ids=x, attention_mask=m, position_ids=pos, **{kh.CACHE_ARG: eager_cache}).logits
+        got = compiled(input_ids=x, attention_mask=m, position_ids=pos, **{kh.CACHE_ARG: cache}).logits
+        torch.testing.assert_close(got, want)
+        x = want[:, -1:].argmax(-1)
+        m = torch.cat([m, torch.ones_like(m[:, :1])], 1)
+    assert [l.lengths.tolist() for l in cache.layers] == [[ids.shape[1] + 2] * 2] * 2
+
+
 # ------------------------------------------------------ Cache API vs references
 
 
