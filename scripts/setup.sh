@@ -35,7 +35,7 @@ echo "== installing $TORCH_SPEC and the build/test requirements"
 # (python -m build, for scripts/check_wheel.sh); the rest is for the tests,
 # demo and benchmarks.
 pip install -q --disable-pip-version-check "$TORCH_SPEC" "setuptools>=77" ninja \
-  build numpy pytest expecttest "hypothesis==6.168.3" tqdm matplotlib 2>&1 | grep -v "^WARNING: Location" || true
+  build numpy pytest expecttest "hypothesis==6.168.3" "transformers==5.24.0" tqdm matplotlib 2>&1 | grep -v "^WARNING: Location" || true
 python -c "import torch" >/dev/null  # fail here, clearly, if torch did not install
 
 # pip rebuilds every extension from scratch: skip it when the installed

@@ -94,7 +94,7 @@ addresses). ``batch_repeat_interleave`` and a larger selection grow the
 batch, which fixed-size buffers cannot do in place: they allocate new
 buffers (``batch * repeats`` rows) and copy the filled slots once; compiled
 code then recompiles for the new shapes, as it must. ``crop`` is
-``rollback_`` (no copy), ``reset`` sets the lengths to 0 (O(1), nothing is
+``rollback`` (no copy), ``reset`` sets the lengths to 0 (O(1), nothing is
 zeroed); :meth:`KVCache.rollback` and :meth:`KVCache.reset_rows` take
 per-row amounts (batched speculative decoding, continuous batching).
 
@@ -144,8 +144,9 @@ ATTN_IMPLEMENTATION = "kvcache"
 """The name registered with ``AttentionInterface`` and ``AttentionMaskInterface``."""
 
 _append_op = torch.ops.kvcache.append_.default
+_update_tensor_op = torch.ops.kvcache.update_.Tensor
 _attend_op = torch.ops.kvcache.attend.default
-_rollback_op = torch.ops.kvcache.rollback_.default
+_rollback_op = torch.ops.kvcache.rollback.default
 _select_rows_op = torch.ops.kvcache.select_rows_.default
 _init_op = torch.ops.kvcache.init_layer_cache.default
 
@@ -330,7 +331,14 @@ class KVCacheLayer(CacheLayerMixin):
                 f"layer {self.layer_idx}: the cache holds a batch of {self.keys.shape[0]} rows but the model passed "
                 f"{key_states.shape[0]} (nothing was written); use batch_repeat_interleave/batch_select_indices "
                 "or a new cache")
-        _append_op(self.keys, self.values, self.lengths, key_states, value_states)
+        if _compiling():
+            # As kvcache.append_kv_layer_cache: traced, write with the
+            # functional update_.Tensor and copy the new lengths back (Inductor
+            # can move a read of a graph input past a custom op that mutates
+            # it in place; docs/design.md).
+            self.lengths.copy_(_update_tensor_op(self.keys, self.values, key_states, value_states, self.lengths))
+        else:
+            _append_op(self.keys, self.values, self.lengths, key_states, value_states)
         return self.keys, self.values
 
     # -- sizes ------------------------------------------------------------------
@@ -361,7 +369,7 @@ class KVCacheLayer(CacheLayerMixin):
             self.lengths.zero_()
 
     def crop(self, tokens_to_remove) -> None:
-        """Drops tokens from every row with ``rollback_`` (no copy).
+        """Drops tokens from every row with ``rollback`` (no copy).
 
         Args:
             tokens_to_remove: ``-n`` (an int or 0-D int tensor) removes the last
@@ -386,7 +394,7 @@ class KVCacheLayer(CacheLayerMixin):
                 n = torch.tensor(-t, dtype=torch.int64, device=dev)
             else:
                 n = (self.lengths.to(torch.int64) - t).clamp(min=0)
-        _rollback_op(self.lengths, n)
+        self.lengths.copy_(_rollback_op(self.lengths, n))
 
     def rollback(self, n) -> None:
         """Drops the last ``n`` tokens (int, 0-D or ``(batch,)`` int tensor) of each row, in place."""
@@ -394,7 +402,7 @@ class KVCacheLayer(CacheLayerMixin):
             raise ValueError(f"layer {self.layer_idx}: the cache is empty (nothing to roll back)")
         if not isinstance(n, torch.Tensor):
             n = torch.tensor(_as_int("n", n), dtype=torch.int64, device=self.lengths.device)
-        _rollback_op(self.lengths, n)
+        self.lengths.copy_(_rollback_op(self.lengths, n))
 
     def reset_rows(self, rows: torch.Tensor) -> None:
         """Empties the given rows (a ``(batch,)`` bool mask or row indices) in O(1) each."""
@@ -404,7 +412,7 @@ class KVCacheLayer(CacheLayerMixin):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row ``b`` takes row ``beam_idx[b]`` (beam search): ``select_rows_``, in place, filled slots only."""
         if self.is_initialized:
-            _select_rows_op(self.keys, self.values, self.lengths, beam_idx.to(self.lengths.device))
+            self.lengths.copy_(_select_rows_op(self.keys, self.values, self.lengths, beam_idx.to(self.lengths.device)))
 
     def batch_select_indices(self, indices) -> None:
         """Keeps the rows ``indices`` (an index or bool tensor), in this order.
@@ -422,11 +430,11 @@ class KVCacheLayer(CacheLayerMixin):
         idx = idx.to(torch.int64).flatten()
         b, k = self.keys.shape[0], idx.numel()
         if k == b:
-            _select_rows_op(self.keys, self.values, self.lengths, idx)
+            self.lengths.copy_(_select_rows_op(self.keys, self.values, self.lengths, idx))
         elif k < b:
             # Rows k.. keep their own contents; rows ..k take the selection (all at once).
             full = torch.cat((idx, torch.arange(k, b, device=dev)))
-            _select_rows_op(self.keys, self.values, self.lengths, full)
+            self.lengths.copy_(_select_rows_op(self.keys, self.values, self.lengths, full))
             self._set_buffers(self.keys[:k], self.values[:k], self.lengths[:k])
         else:
             self._grow(idx)
