@@ -111,6 +111,9 @@ stage_package() {  # $1: libkvcache.so to load, $2: folder to stage the package 
   rm -f "$2"/kvcache/*.so
   cp "$1" "$2/kvcache/libkvcache.so"
   cp "$OUT"/lib/kvcache/_C*.so "$2/kvcache/"  # links libkvcache.so from its own folder
+  # The build's record of its torch (import refuses another torch's build);
+  # the source tree's copy is the CPU build's.
+  cp "$OUT"/lib/kvcache/_build_info.py "$2/kvcache/"
 }
 
 check_lib() {
