@@ -152,6 +152,31 @@ def test_select_rows_matches_indexing_a_clone(index, index_dtype):
             assert_same(got, exp)
 
 
+def _random_indexes():
+    """Index vectors over 9 rows whose moved rows form every shape a function can: cycles of
+    every length (swaps, rotations), trees hanging off cycles and off fixed rows, repeats."""
+    g = torch.Generator().manual_seed(5)
+    fixed = [[1, 2, 0, 4, 3, 3, 7, 8, 6],  # 3-cycle, 2-cycle with a tree, 3-cycle
+             [1, 2, 3, 4, 5, 6, 7, 8, 0],  # one 9-cycle
+             [0, 0, 1, 1, 2, 2, 3, 3, 4],  # a tree on a fixed row (beam-search style)
+             [8, 8, 8, 8, 8, 8, 8, 8, 7]]  # a 2-cycle that every other row reads
+    return fixed + [torch.randint(0, 9, (9,), generator=g).tolist() for _ in range(40)]
+
+
+@pytest.mark.parametrize("index", _random_indexes())
+def test_select_rows_cycles_and_trees(index):
+    """Rows that are read by others and written themselves: each is written only after its readers."""
+    big = kvcache.init_kv_layer_cache(9, H, D, T, torch.float32)
+    big.keys.copy_(random_tensor((9, H, T, D), torch.float32, seed=7))
+    big.values.copy_(random_tensor((9, H, T, D), torch.float32, seed=8))
+    cache = kvcache.KVLayerCache(big.keys, big.values, torch.tensor([5, 16, 0, 9, 1, 16, 3, 12, 7]))
+    ref_k, ref_v, ref_len = reference_select(cache, index)
+    kvcache.select_kv_layer_cache_rows(cache, torch.tensor(index))
+    assert_same(cache.length, ref_len)
+    assert_same(cache.keys, ref_k)  # filled slots from the source; past them, the row's own bytes
+    assert_same(cache.values, ref_v)
+
+
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 def test_select_rows_every_dtype_and_strided_cache(dtype):
     big = random_tensor((B, T, H, 2, D), dtype, seed=2)  # fused K/V, (batch, seq, heads) layout
