@@ -41,8 +41,6 @@ void select_rows_cpu(const SelectRowsParams& p) {
     }
   }
   if (pending > 0 && row_bytes > 0) {
-    // Copies the filled slots of one row: from row `src` (or the staged row
-    // when src is null) to row `dst` (or into the stage when dst is null).
     // The stage holds one moved row's filled slots: (buffer, head, slot,
     // head_dim), dense. Allocated (not touched) before anything is written,
     // so running out of memory cannot leave a half-done selection.
@@ -53,6 +51,8 @@ void select_rows_cpu(const SelectRowsParams& p) {
     std::unique_ptr<char[]> stage(
         new char[static_cast<size_t>(std::max<int64_t>(1, 2 * p.heads * most * row_bytes))]);
     int64_t staged = -1;
+    // Copies `slots` filled slots of one row, keys and values: from row src
+    // (src < 0: from the stage) to row dst (dst < 0: into the stage).
     auto move = [&](int64_t dst, int64_t src, int64_t slots) {
       char* tmp = stage.get();
       for (int w = 0; w < 2; ++w) {
