@@ -12,7 +12,7 @@
 // cache runs on the calling thread. The helpers come from ATen's inter-op
 // pool and join when they get a core, so the caller never waits for a
 // thread that is not running (an OpenMP region does, which costs
-// milliseconds on a loaded machine; see run_with_helpers). All threads take
+// milliseconds on a loaded machine; see helpers.h). All threads take
 // tasks from one counter, longest first (rows are ragged, causal tiles
 // uneven).
 #include <ATen/Parallel.h>
@@ -32,6 +32,7 @@
 #include "../ops/attend.h"
 #include "attend_plan.h"
 #include "attend_vec.h"
+#include "helpers.h"
 
 namespace kvcache {
 namespace attend_cpu {
@@ -141,55 +142,6 @@ void merge_parts(const Plan& plan, int64_t b, int64_t kvh, int64_t first_part, i
     T* dst = static_cast<T*>(p.out) + b * p.out_stride[0] + (kvh * G + g) * p.out_stride[1] +
              i * p.out_stride[2];
     for (int64_t d = 0; d < D; ++d) dst[d * p.out_stride[3]] = static_cast<T>(acc[d] * inv);
-  }
-}
-
-// Shared by the caller and its helpers; outlives the call (a helper that
-// starts late still reads it).
-struct Crew {
-  std::atomic<int64_t> next{0};      // next task to take
-  std::atomic<int64_t> active{0};    // helpers inside the work
-  std::atomic<bool> closed{false};   // the caller is done: late helpers leave
-};
-
-// Runs `work` on the calling thread and on up to `helpers` threads of ATen's
-// inter-op pool (at::launch), all taking tasks from one counter. Unlike an
-// OpenMP region (at::parallel_for), the caller never waits for a helper that
-// has not started: on a loaded machine a woken thread can wait a whole time
-// slice (milliseconds) for a core, and the caller would wait with it. The
-// caller does all the work if no helper shows up; it waits only for helpers
-// that are inside a task. `work(closed, next)` must return at once when
-// `closed` is set (it then touches nothing the caller owns).
-template <typename Work>
-void run_with_helpers(int64_t helpers, const Work& work) {
-  auto crew = std::make_shared<Crew>();
-  for (int64_t h = 0; h < helpers; ++h) {
-    at::launch([crew, &work] {
-      // Seq-cst order: either the caller sees this helper in `active`, or
-      // the helper sees `closed` and touches nothing of the caller's.
-      crew->active.fetch_add(1);
-      if (!crew->closed.load()) {
-        try {
-          work(crew->closed, crew->next);
-        } catch (...) {
-          // Scratch allocation failed: the other threads take the tasks.
-        }
-      }
-      crew->active.fetch_sub(1);
-    });
-  }
-  std::exception_ptr error;
-  try {
-    static const std::atomic<bool> open{false};
-    work(open, crew->next);
-  } catch (...) {
-    error = std::current_exception();
-  }
-  crew->closed.store(true);
-  while (crew->active.load() != 0) std::this_thread::yield();
-  if (error) {
-    // Tasks the caller took and did not finish are lost: fail the call.
-    std::rethrow_exception(error);
   }
 }
 
@@ -303,7 +255,7 @@ void attend_typed(const AttendParams& p) {
     std::stable_sort(order.begin(), order.end(),
                      [&](int64_t a, int64_t b) { return work[a] > work[b]; });
     const int64_t helpers = std::min<int64_t>(threads, static_cast<int64_t>(tasks.size())) - 1;
-    run_with_helpers(helpers, [&](const std::atomic<bool>& closed, std::atomic<int64_t>& next) {
+    cpu::run_with_helpers(helpers, [&](const std::atomic<bool>& closed, std::atomic<int64_t>& next) {
       if (closed.load()) return;
       Scratch scratch(plan);
       const int64_t n = static_cast<int64_t>(tasks.size());

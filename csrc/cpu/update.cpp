@@ -3,12 +3,11 @@
 // Both buffers are written in one pass over (buffer, batch, head) slabs of
 // (chunk, head_dim), each copied by copy_block (by element size: every dtype
 // takes the same path).
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 
 #include "../ops/update.h"
 #include "copy_block.h"
+#include "helpers.h"
 
 namespace kvcache {
 namespace {
@@ -17,29 +16,28 @@ using detail::DstRows;
 using detail::SrcRows;
 using detail::UpdateParams;
 
-// An OpenMP region costs microseconds on an idle machine and milliseconds
-// when the other cores are busy: the worker waits for a scheduler slice.
-// Measured on the 2-core CI machine (shared, load ~7; update_ fp32, batch 4,
-// 8 heads, head_dim 128, a build with KVCACHE_PARALLEL_BYTES=0, medians of
-// 5 rounds, 1 vs 2 threads): up to 1 MiB at::parallel_for stays inline (the
-// grain below); from 2 MiB to 128 MiB the 2-thread copy was 1.4-78x SLOWER
-// (a region cost 4-20 ms: 2 MiB took 20 ms instead of 0.26 ms; 32 MiB 8 ms
-// instead of 4 ms; 128 MiB 24 ms instead of 17.6 ms); at 256 MiB it was 2.5x
-// faster (40 ms vs 99 ms). With a spinning process on the other core the
-// picture is the same. Only rounds where the other core happened to be free
-// showed a 2x gain from 2 MiB on. So the copy runs on the calling thread
-// below 256 MiB in all (a prefill that large amortizes a lost slice), and a
-// single-token decode step never goes parallel, whatever its size. At one
-// thread at::parallel_for runs inline: no threshold matters.
-// KVCACHE_PARALLEL_BYTES overrides it at build time, only to measure the
-// crossover (a build with 0 goes parallel from the first grain).
+// Threads: a write goes parallel only from kParallelBytes in all, and a
+// single-token decode step never does, whatever its size (a batch-16 decode
+// step once went parallel and took 10-16 ms on a busy machine instead of
+// ~15 us). The helpers come from helpers.h, not an OpenMP region: on the
+// shared 2-core CI machine an OpenMP region cost 4-20 ms when the other
+// core was busy (a 2 MiB copy took 20 ms instead of 0.26 ms), which forced
+// a 256 MiB threshold and left a quiet machine's prefill at half the speed
+// of ATen's copy_. Helpers join only when they get a core, but waking one
+// costs tens of microseconds here. Measured (update_, fp32, 8 heads,
+// head_dim 128, p50 of 400 calls, 2 threads vs 1, the machine's other core
+// partly used by others): 1 MiB 1.17-1.20x (slower), 4 MiB 0.72-0.76x in
+// two runs but 1.3x in a third, 8 MiB 0.61-0.63x, 16 MiB 0.54-0.55x, 32 MiB
+// 0.57-0.61x; with a spinning process on the other core, 32 MiB 1.17x (p50;
+// p99 6.2 ms, where ATen's parallel copy_ of the same bytes had 10 ms).
+// So from 8 MiB. KVCACHE_PARALLEL_BYTES overrides it at build time.
 #ifdef KVCACHE_PARALLEL_BYTES
 constexpr int64_t kParallelBytes = KVCACHE_PARALLEL_BYTES;
 #else
-constexpr int64_t kParallelBytes = int64_t{256} << 20;
+constexpr int64_t kParallelBytes = int64_t{8} << 20;
 #endif
-// Bytes per task once parallel.
-constexpr int64_t kGrainBytes = int64_t{1} << 20;
+// Bytes per task once parallel (several tasks per thread balance the load).
+constexpr int64_t kGrainBytes = int64_t{256} << 10;
 
 // Copies one (chunk, head_dim) slab of batch row b, head h.
 void copy_slab(const DstRows& d, const SrcRows& s, int64_t b, int64_t h,
@@ -71,8 +69,11 @@ void update_cpu(const UpdateParams& p) {
     if (p.chunk == 1 || total < kParallelBytes) {
       work(0, 2 * slabs);
     } else {
-      at::parallel_for(0, 2 * slabs,
-                       std::max<int64_t>(1, kGrainBytes / slab_bytes), work);
+      const int64_t per_task = std::max<int64_t>(1, kGrainBytes / slab_bytes);
+      const int64_t tasks = (2 * slabs + per_task - 1) / per_task;
+      cpu::for_each_task(tasks, [&](int64_t t) {
+        work(t * per_task, std::min(2 * slabs, (t + 1) * per_task));
+      });
     }
   }
   // After the copy: for append_, lengths_out is the start tensor itself, but

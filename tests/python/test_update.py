@@ -208,15 +208,33 @@ def test_ragged_decode_steps():
         pos = cache.length
 
 
-def test_large_parallel_update():
-    """Big enough to take the multi-threaded path."""
-    b, h, t, d = 4, 8, 512, 64
-    cache = kvcache.init_kv_layer_cache(b, h, d, t, torch.float32)
+@pytest.mark.parametrize("threads", [2, 3, 8])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_large_parallel_update(threads, layout):
+    """Big enough (about 10 MiB) to take the multi-threaded path: the caller and helper threads
+    take uneven tasks (128 slabs of 75 KiB, 3 per task) from one counter, per-row starts included."""
+    b, h, t, d = 4, 16, 512, 64
+    if layout == "contiguous":
+        keys, values = torch.zeros(b, h, t, d), torch.zeros(b, h, t, d)
+    else:  # (batch, seq, heads, head_dim) storage
+        keys, values = torch.zeros(b, t, h, d).transpose(1, 2), torch.zeros(b, t, h, d).transpose(1, 2)
+    keys.copy_(random_tensor(keys.shape, torch.float32, seed=3))
+    values.copy_(random_tensor(values.shape, torch.float32, seed=4))
     kn, vn = new_kv(300, b=b, h=h, d=d)
-    exp_k, exp_v = reference_update(cache.keys, cache.values, kn, vn, 100)
-    kvcache.update_kv_layer_cache(cache, kn, vn, 100)
-    assert_same(cache.keys, exp_k)
-    assert_same(cache.values, exp_v)
+    starts = torch.tensor([100, 0, 212, 7])
+    ref_k, ref_v = keys.clone(), values.clone()
+    for r, s in enumerate(starts.tolist()):
+        ref_k[r, :, s : s + 300] = kn[r]
+        ref_v[r, :, s : s + 300] = vn[r]
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.ops.kvcache.update_.Tensor(keys, values, kn, vn, starts)
+    finally:
+        torch.set_num_threads(saved)
+    assert_same(keys, ref_k)
+    assert_same(values, ref_v)
+    assert out.tolist() == (starts + 300).tolist()
 
 
 def test_numpy_int_start_accepted():
