@@ -106,7 +106,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import operator
 import warnings
 import weakref
 from typing import Optional, Union
@@ -134,6 +133,7 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
     ) from e
 
 from . import cache as _cache  # loads the operators (through the package __init__)
+from .cache import _as_int
 
 # Attention-free layers: DummyLayer in transformers 5.24; 5.18 used LinearAttentionLayer for them.
 _NoKVLayer = getattr(_cache_utils, "DummyLayer", None)
@@ -185,15 +185,6 @@ def _layer_of(key: torch.Tensor, value: torch.Tensor) -> Optional["KVCacheLayer"
     if layer is not None and layer.keys is key and layer.values is value:
         return layer
     return None
-
-
-def _as_int(name: str, v) -> int:
-    if isinstance(v, bool):
-        raise TypeError(f"{name} must be an int, got bool")
-    try:
-        return operator.index(v)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(v).__name__}") from None
 
 
 def _compiling() -> bool:
