@@ -7,8 +7,10 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <limits>
 
 #include "../core/params.h"
 
@@ -23,6 +25,15 @@ inline unsigned check_threads(int64_t n) {
   const int64_t warps = (n + 31) / 32;
   const int64_t t = warps * 32;
   return static_cast<unsigned>(t < 32 ? 32 : (t > kCheckThreads ? kCheckThreads : t));
+}
+
+// The copy kernels give each (buffer, batch row, KV head) slab of keys and
+// values one block along grid x: 2 * slabs blocks must fit a 32-bit grid
+// index. Raised before anything is launched, so nothing is written.
+inline void check_copy_slabs(int64_t slabs) {
+  TORCH_CHECK_VALUE(2 * slabs <= std::numeric_limits<int32_t>::max(),
+                    "kvcache: batch * num_kv_heads = ", slabs,
+                    " is too large for one CUDA launch (at most 2^30 - 1)");
 }
 
 }  // namespace cuda

@@ -161,9 +161,7 @@ void select_rows_cuda(const SelectRowsParams& p) {
   int64_t chunk = 0;
   int64_t rounds = 0;
   if (move) {
-    TORCH_CHECK_VALUE(2 * slabs <= std::numeric_limits<int32_t>::max(),
-                      "kvcache: batch * num_kv_heads = ", slabs,
-                      " is too large for one CUDA launch (at most 2^30 - 1)");
+    cuda::check_copy_slabs(slabs);  // before any launch: nothing written
     const int64_t per_slot = 2 * slabs * row_bytes;  // no overflow: < buffers' bytes
     chunk = kScratchBytes / per_slot;
     // At most kMaxRounds rounds (launch count), even if the scratch must

@@ -125,10 +125,7 @@ void update_cuda(const UpdateParams& p) {
   unsigned grid_x = 1;
   unsigned grid_y = 1;
   if (copy) {
-    // Raised before anything is launched: nothing written.
-    TORCH_CHECK_VALUE(2 * slabs <= std::numeric_limits<int32_t>::max(),
-                      "kvcache: batch * num_kv_heads = ", slabs,
-                      " is too large for one CUDA launch (at most 2^30 - 1)");
+    cuda::check_copy_slabs(slabs);  // before any launch: nothing written
     const int64_t dst_size[4] = {p.batch, p.heads, p.max_len, p.head_dim};
     const int64_t src_size[4] = {p.batch, p.heads, p.chunk, p.head_dim};
     for (int w = 0; w < 2; ++w) {
