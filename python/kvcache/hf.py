@@ -133,7 +133,15 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
     ) from e
 
 from . import cache as _cache  # loads the operators (through the package __init__)
-from .cache import _as_int
+from .cache import (  # the operator handles and argument checks of the Python API
+    _append_op,
+    _as_int,
+    _attend_op,
+    _init_op,
+    _rollback_op,
+    _select_rows_op,
+    _update_tensor_op,
+)
 
 # Attention-free layers: DummyLayer in transformers 5.24; 5.18 used LinearAttentionLayer for them.
 _NoKVLayer = getattr(_cache_utils, "DummyLayer", None)
@@ -143,12 +151,6 @@ __all__ = ["ATTN_IMPLEMENTATION", "CACHE_ARG", "KVCache", "KVCacheLayer", "kvcac
 ATTN_IMPLEMENTATION = "kvcache"
 """The name registered with ``AttentionInterface`` and ``AttentionMaskInterface``."""
 
-_append_op = torch.ops.kvcache.append_.default
-_update_tensor_op = torch.ops.kvcache.update_.Tensor
-_attend_op = torch.ops.kvcache.attend.default
-_rollback_op = torch.ops.kvcache.rollback.default
-_select_rows_op = torch.ops.kvcache.select_rows_.default
-_init_op = torch.ops.kvcache.init_layer_cache.default
 
 
 def _cache_arg_name() -> str:
