@@ -71,6 +71,18 @@ KVCACHE_API AttendRows check_attend(const at::Tensor& q, const at::Tensor& keys,
                         std::optional<double> scale, int64_t window,
                         double softcap, bool values_known);
 
+
+// The checks with the schema's arguments, as a fake kernel runs them.
+inline void trace_check_attend(const at::Tensor& q, const at::Tensor& keys,
+                               const at::Tensor& values,
+                               const at::Tensor& lengths,
+                               const std::optional<at::Tensor>& kv_start,
+                               std::optional<double> scale, int64_t window,
+                               double softcap) {
+  check_attend(q, keys, values, lengths, kv_start, scale, window, softcap,
+               false);
+}
+
 }  // namespace detail
 
 // Operator entry points (registered in csrc/schema.cpp).
