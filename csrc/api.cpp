@@ -59,15 +59,53 @@ void append_(at::Tensor& keys, at::Tensor& values, at::Tensor& lengths,
   op.call(keys, values, lengths, keys_new, values_new);
 }
 
+at::Tensor update_quantized_(at::Tensor& keys, at::Tensor& values,
+                             at::Tensor& k_scale, at::Tensor& v_scale,
+                             const at::Tensor& keys_new,
+                             const at::Tensor& values_new, int64_t start) {
+  static const auto op =
+      typed<at::Tensor(at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,
+                       const at::Tensor&, const at::Tensor&, c10::SymInt)>(
+          "kvcache::update_quantized_", "");
+  return op.call(keys, values, k_scale, v_scale, keys_new, values_new,
+                 c10::SymInt(start));
+}
+
+at::Tensor update_quantized_(at::Tensor& keys, at::Tensor& values,
+                             at::Tensor& k_scale, at::Tensor& v_scale,
+                             const at::Tensor& keys_new,
+                             const at::Tensor& values_new,
+                             const at::Tensor& start) {
+  static const auto op =
+      typed<at::Tensor(at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,
+                       const at::Tensor&, const at::Tensor&,
+                       const at::Tensor&)>("kvcache::update_quantized_",
+                                           "Tensor");
+  return op.call(keys, values, k_scale, v_scale, keys_new, values_new, start);
+}
+
+void append_quantized_(at::Tensor& keys, at::Tensor& values,
+                       at::Tensor& k_scale, at::Tensor& v_scale,
+                       at::Tensor& lengths, const at::Tensor& keys_new,
+                       const at::Tensor& values_new) {
+  static const auto op =
+      typed<void(at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,
+                 at::Tensor&, const at::Tensor&, const at::Tensor&)>(
+          "kvcache::append_quantized_", "");
+  op.call(keys, values, k_scale, v_scale, lengths, keys_new, values_new);
+}
+
 at::Tensor attend(const at::Tensor& q, const at::Tensor& keys,
                   const at::Tensor& values, const at::Tensor& lengths,
                   const AttendOptions& options) {
   static const auto op = typed<at::Tensor(
       const at::Tensor&, const at::Tensor&, const at::Tensor&,
       const at::Tensor&, const std::optional<at::Tensor>&,
-      std::optional<double>, int64_t, double)>("kvcache::attend", "");
+      std::optional<double>, int64_t, double, const std::optional<at::Tensor>&,
+      const std::optional<at::Tensor>&)>("kvcache::attend", "");
   return op.call(q, keys, values, lengths, options.kv_start, options.scale,
-                 options.window, options.softcap);
+                 options.window, options.softcap, options.k_scale,
+                 options.v_scale);
 }
 
 at::Tensor rollback(const at::Tensor& lengths, const at::Tensor& n,
@@ -94,12 +132,43 @@ KVLayerCache init_kv_layer_cache(int64_t batch_size, int64_t num_kv_heads,
   return {std::move(keys), std::move(values), std::move(length)};
 }
 
+KVLayerCache init_quantized_kv_layer_cache(int64_t batch_size,
+                                           int64_t num_kv_heads,
+                                           int64_t head_dim, int64_t max_len,
+                                           at::ScalarType kv_dtype,
+                                           c10::Device device) {
+  TORCH_CHECK_TYPE(kv_dtype == at::kChar || kv_dtype == at::kFloat8_e4m3fn,
+                   "kv_dtype must be torch.int8 or torch.float8_e4m3fn, got ",
+                   c10::toString(kv_dtype));
+  KVLayerCache c = init_kv_layer_cache(batch_size, num_kv_heads, head_dim,
+                                       max_len, kv_dtype, device);
+  const auto opts = at::TensorOptions().dtype(at::kFloat).device(device);
+  c.k_scale = at::ones({batch_size, num_kv_heads, max_len}, opts);
+  c.v_scale = at::ones({batch_size, num_kv_heads, max_len}, opts);
+  return c;
+}
+
+void select_kv_layer_cache_rows(KVLayerCache& cache, const at::Tensor& index) {
+  at::Tensor length = select_rows_(cache.keys, cache.values, cache.length, index);
+  if (cache.quantized()) {
+    // The scales are (batch, heads, max_len) buffers indexed like the
+    // slots: moved as (..., max_len, 1) caches by the same operator.
+    at::Tensor ks = cache.k_scale.unsqueeze(-1);
+    at::Tensor vs = cache.v_scale.unsqueeze(-1);
+    select_rows_(ks, vs, cache.length, index);
+  }
+  cache.length.copy_(length);
+}
+
 KVLayerCache update_kv_layer_cache(const KVLayerCache& cache,
                                    const at::Tensor& keys_new,
                                    const at::Tensor& values_new,
                                    int64_t start) {
   KVLayerCache out = cache;  // shares the buffers: the update is in place
-  out.length = update_(out.keys, out.values, keys_new, values_new, start);
+  out.length = out.quantized()
+                   ? update_quantized_(out.keys, out.values, out.k_scale,
+                                       out.v_scale, keys_new, values_new, start)
+                   : update_(out.keys, out.values, keys_new, values_new, start);
   return out;
 }
 
@@ -108,7 +177,10 @@ KVLayerCache update_kv_layer_cache(const KVLayerCache& cache,
                                    const at::Tensor& values_new,
                                    const at::Tensor& start) {
   KVLayerCache out = cache;
-  out.length = update_(out.keys, out.values, keys_new, values_new, start);
+  out.length = out.quantized()
+                   ? update_quantized_(out.keys, out.values, out.k_scale,
+                                       out.v_scale, keys_new, values_new, start)
+                   : update_(out.keys, out.values, keys_new, values_new, start);
   return out;
 }
 
@@ -116,12 +188,23 @@ void append_kv_layer_cache(const KVLayerCache& cache,
                            const at::Tensor& keys_new,
                            const at::Tensor& values_new) {
   KVLayerCache c = cache;  // the same tensors: written in place
-  append_(c.keys, c.values, c.length, keys_new, values_new);
+  if (c.quantized()) {
+    append_quantized_(c.keys, c.values, c.k_scale, c.v_scale, c.length,
+                      keys_new, values_new);
+  } else {
+    append_(c.keys, c.values, c.length, keys_new, values_new);
+  }
 }
 
 at::Tensor attend(const at::Tensor& q, const KVLayerCache& cache,
                   const AttendOptions& options) {
-  return attend(q, cache.keys, cache.values, cache.length, options);
+  if (!cache.quantized()) {
+    return attend(q, cache.keys, cache.values, cache.length, options);
+  }
+  AttendOptions o = options;
+  o.k_scale = cache.k_scale;
+  o.v_scale = cache.v_scale;
+  return attend(q, cache.keys, cache.values, cache.length, o);
 }
 
 std::vector<KVLayerCache> init_decoder_kv_caches(

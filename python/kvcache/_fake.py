@@ -40,7 +40,19 @@ def _append(keys, values, lengths, keys_new, values_new):
     return None
 
 
-def _attend(q, keys, values, lengths, *, kv_start=None, scale=None, window=0, softcap=0.0):
+def _update_quantized(keys, values, k_scale, v_scale, keys_new, values_new, start):
+    return keys.new_empty((), dtype=torch.int32)
+
+
+def _update_quantized_tensor(keys, values, k_scale, v_scale, keys_new, values_new, start):
+    return keys.new_empty(start.shape, dtype=torch.int32)
+
+
+def _append_quantized(keys, values, k_scale, v_scale, lengths, keys_new, values_new):
+    return None
+
+
+def _attend(q, keys, values, lengths, *, kv_start=None, scale=None, window=0, softcap=0.0, k_scale=None, v_scale=None):
     b, h, s, d = q.shape
     # (batch, seq, heads, head_dim) memory, as the kernels allocate it.
     return q.new_empty((b, s, h, d)).transpose(1, 2)
@@ -60,6 +72,9 @@ _OUTPUTS = {
     "update_": _update,
     "update_tensor_": _update_tensor,
     "append_": _append,
+    "update_quantized_": _update_quantized,
+    "update_quantized_tensor_": _update_quantized_tensor,
+    "append_quantized_": _append_quantized,
     "attend": _attend,
     "rollback": _new_lengths,
     "select_rows_": _select_rows,

@@ -29,10 +29,19 @@ namespace kvcache {
 /// values: same shape and dtype as keys, separate storage.
 /// length: int32 tensor on the cache's device; 0-D (every row), or (batch,)
 ///         (one per row). Number of filled positions.
+///
+/// A quantized cache (init_kv_layer_cache with a kv_dtype) has int8 or
+/// float8_e4m3fn keys/values and k_scale / v_scale: float32 (batch,
+/// num_kv_heads, max_len), one scale per slot (undefined for a plain cache).
 struct KVLayerCache {
   at::Tensor keys;
   at::Tensor values;
   at::Tensor length;
+  at::Tensor k_scale;
+  at::Tensor v_scale;
+
+  /// Whether keys/values are quantized (k_scale / v_scale defined).
+  bool quantized() const { return k_scale.defined(); }
 
   /// Maximum number of tokens the cache can hold.
   int64_t max_len() const { return keys.size(2); }
@@ -49,6 +58,10 @@ struct AttendOptions {
   int64_t window = 0;
   /// > 0: scores become softcap * tanh(score / softcap).
   double softcap = 0.0;
+  /// A quantized cache's scales (both or neither; set by
+  /// attend(q, cache, options) from the cache).
+  std::optional<at::Tensor> k_scale;
+  std::optional<at::Tensor> v_scale;
 };
 
 // ---- The operators (thin typed wrappers over the dispatcher) -------------
@@ -83,6 +96,30 @@ KVCACHE_API void append_(at::Tensor& keys, at::Tensor& values,
                          at::Tensor& lengths, const at::Tensor& keys_new,
                          const at::Tensor& values_new);
 
+/// kvcache::update_quantized_ / update_quantized_.Tensor / append_quantized_:
+/// the writes of a quantized cache (int8 or float8_e4m3fn keys / values):
+/// keys_new / values_new (float32, bfloat16 or float16) are quantized per
+/// (row, KV head, slot), their scales written into k_scale / v_scale
+/// ((batch, num_kv_heads, max_len) float32). Same starts, checks and
+/// results as update_ / append_.
+KVCACHE_API at::Tensor update_quantized_(at::Tensor& keys, at::Tensor& values,
+                                         at::Tensor& k_scale,
+                                         at::Tensor& v_scale,
+                                         const at::Tensor& keys_new,
+                                         const at::Tensor& values_new,
+                                         int64_t start);
+KVCACHE_API at::Tensor update_quantized_(at::Tensor& keys, at::Tensor& values,
+                                         at::Tensor& k_scale,
+                                         at::Tensor& v_scale,
+                                         const at::Tensor& keys_new,
+                                         const at::Tensor& values_new,
+                                         const at::Tensor& start);
+KVCACHE_API void append_quantized_(at::Tensor& keys, at::Tensor& values,
+                                   at::Tensor& k_scale, at::Tensor& v_scale,
+                                   at::Tensor& lengths,
+                                   const at::Tensor& keys_new,
+                                   const at::Tensor& values_new);
+
 /// kvcache::attend: attention of q (batch, num_heads, seq, head_dim) over the
 /// filled slots [kv_start, lengths) of keys / values; query i of row b sits
 /// at slot lengths[b] - seq + i (causal). Returns (batch, num_heads, seq,
@@ -114,7 +151,20 @@ KVCACHE_API KVLayerCache init_kv_layer_cache(int64_t batch_size,
                                              at::ScalarType dtype,
                                              c10::Device device = c10::kCPU);
 
-/// Writes new keys/values into `cache` at [start, start + chunk), in place.
+/// Creates a zero-filled quantized KVLayerCache: keys/values of kv_dtype
+/// (at::kChar for int8, at::kFloat8_e4m3fn for fp8) and float32 scales.
+/// Throws c10::TypeError for another kv_dtype.
+KVCACHE_API KVLayerCache init_quantized_kv_layer_cache(
+    int64_t batch_size, int64_t num_kv_heads, int64_t head_dim,
+    int64_t max_len, at::ScalarType kv_dtype, c10::Device device = c10::kCPU);
+
+/// Row b of the cache (data, scales of a quantized cache, length) takes row
+/// index[b]'s, in place (select_rows_ on the data, then on the scales).
+KVCACHE_API void select_kv_layer_cache_rows(KVLayerCache& cache,
+                                            const at::Tensor& index);
+
+/// Writes new keys/values into `cache` at [start, start + chunk), in place
+/// (quantizing them for a quantized cache).
 /// Returns a cache sharing cache's buffers, with length = start + chunk.
 KVCACHE_API KVLayerCache update_kv_layer_cache(const KVLayerCache& cache,
                                                const at::Tensor& keys_new,
