@@ -135,11 +135,14 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
 from . import cache as _cache  # loads the operators (through the package __init__)
 from .cache import (  # the operator handles and argument checks of the Python API
     _append_op,
+    _append_q_op,
     _as_int,
     _attend_op,
     _init_op,
+    _kv_dtype,
     _rollback_op,
     _select_rows_op,
+    _update_q_tensor_op,
     _update_tensor_op,
 )
 
@@ -221,9 +224,14 @@ class KVCacheLayer(CacheLayerMixin):
     is_compileable = True
     is_croppable = True
 
-    def __init__(self, max_cache_len: int, window: int = 0, layer_idx: int = 0):
+    def __init__(self, max_cache_len: int, window: int = 0, layer_idx: int = 0, kv_dtype=None):
         super().__init__()
         self.max_cache_len = max_cache_len
+        # A quantized layer (int8 / float8_e4m3fn storage, per-slot float32
+        # scales in k_scale / v_scale; README "Quantized caches").
+        self.kv_dtype: Optional[torch.dtype] = _kv_dtype(kv_dtype)
+        self.k_scale: Optional[torch.Tensor] = None
+        self.v_scale: Optional[torch.Tensor] = None
         self.window = window
         self.is_sliding = window > 0
         self.layer_idx = layer_idx
@@ -251,13 +259,18 @@ class KVCacheLayer(CacheLayerMixin):
 
     def allocate(self, batch_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
         """Allocates zeroed buffers and zero lengths (done lazily by the first ``update`` otherwise)."""
-        keys, values, _ = _init_op(batch_size, num_kv_heads, head_dim, self.max_cache_len, dtype=dtype,
-                                   device=torch.device(device))
+        keys, values, _ = _init_op(batch_size, num_kv_heads, head_dim, self.max_cache_len,
+                                   dtype=self.kv_dtype or dtype, device=torch.device(device))
         lengths = torch.zeros(batch_size, dtype=torch.int32, device=keys.device)
-        self._set_buffers(keys, values, lengths)
+        scales = None
+        if self.kv_dtype is not None:
+            scales = tuple(torch.ones(keys.shape[:3], dtype=torch.float32, device=keys.device) for _ in range(2))
+        self._set_buffers(keys, values, lengths, scales)
 
-    def _set_buffers(self, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> None:
+    def _set_buffers(self, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, scales=None) -> None:
         self.keys, self.values, self.lengths = keys, values, lengths
+        if scales is not None:
+            self.k_scale, self.v_scale = scales
         self.batch_size, self.num_heads = keys.shape[0], keys.shape[1]
         self.k_head_dim = self.v_head_dim = keys.shape[-1]
         self.dtype, self.device = keys.dtype, keys.device
@@ -265,7 +278,7 @@ class KVCacheLayer(CacheLayerMixin):
         _register(self)
         if not _compiling():
             # Fixed addresses: compiled code and CUDA graphs may keep pointers to them.
-            for t in (keys, values, lengths):
+            for t in (keys, values, lengths, *(scales or ())):
                 torch._dynamo.mark_static_address(t)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -314,6 +327,15 @@ class KVCacheLayer(CacheLayerMixin):
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.kv_dtype is not None:
+            # The quantizing write (its checks name any mismatch; nothing is written on error).
+            if _compiling():  # as below
+                self.lengths.copy_(_update_q_tensor_op(self.keys, self.values, self.k_scale, self.v_scale,
+                                                       key_states, value_states, self.lengths))
+            else:
+                _append_q_op(self.keys, self.values, self.k_scale, self.v_scale, self.lengths, key_states,
+                             value_states)
+            return self.keys, self.values
         if key_states.dtype != self.keys.dtype or value_states.dtype != self.keys.dtype:
             raise TypeError(
                 f"layer {self.layer_idx}: the cache holds {self.keys.dtype} keys/values but the model passed "
@@ -405,7 +427,12 @@ class KVCacheLayer(CacheLayerMixin):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row ``b`` takes row ``beam_idx[b]`` (beam search): ``select_rows_``, in place, filled slots only."""
         if self.is_initialized:
-            self.lengths.copy_(_select_rows_op(self.keys, self.values, self.lengths, beam_idx.to(self.lengths.device)))
+            self._select(beam_idx.to(self.lengths.device))
+
+    def _select(self, index: torch.Tensor) -> None:
+        if self.k_scale is not None:  # the scales are indexed like the slots
+            _select_rows_op(self.k_scale.unsqueeze(-1), self.v_scale.unsqueeze(-1), self.lengths, index)
+        self.lengths.copy_(_select_rows_op(self.keys, self.values, self.lengths, index))
 
     def batch_select_indices(self, indices) -> None:
         """Keeps the rows ``indices`` (an index or bool tensor), in this order.
@@ -423,12 +450,13 @@ class KVCacheLayer(CacheLayerMixin):
         idx = idx.to(torch.int64).flatten()
         b, k = self.keys.shape[0], idx.numel()
         if k == b:
-            self.lengths.copy_(_select_rows_op(self.keys, self.values, self.lengths, idx))
+            self._select(idx)
         elif k < b:
             # Rows k.. keep their own contents; rows ..k take the selection (all at once).
             full = torch.cat((idx, torch.arange(k, b, device=dev)))
-            self.lengths.copy_(_select_rows_op(self.keys, self.values, self.lengths, full))
-            self._set_buffers(self.keys[:k], self.values[:k], self.lengths[:k])
+            self._select(full)
+            scales = None if self.k_scale is None else (self.k_scale[:k], self.v_scale[:k])
+            self._set_buffers(self.keys[:k], self.values[:k], self.lengths[:k], scales)
         else:
             self._grow(idx)
 
@@ -457,7 +485,10 @@ class KVCacheLayer(CacheLayerMixin):
             keys[:, :, :filled] = old_k[:, :, :filled].index_select(0, idx)
             values[:, :, :filled] = old_v[:, :, :filled].index_select(0, idx)
         lengths = old_len.index_select(0, idx).clone()
-        self._set_buffers(keys, values, lengths)
+        scales = None
+        if self.k_scale is not None:
+            scales = (self.k_scale.index_select(0, idx), self.v_scale.index_select(0, idx))
+        self._set_buffers(keys, values, lengths, scales)
 
 
 # ---------------------------------------------------------------------------
@@ -524,6 +555,11 @@ class KVCache(Cache):
             linear kvcache buffers read through ``attend``'s window;
             ``"hf"``: transformers' ``StaticSlidingWindowLayer`` (holds only
             ``min(window, max_cache_len)`` slots).
+        kv_dtype: ``None`` (keys/values in the model's dtype), ``"int8"``
+            or ``"fp8"`` (also ``torch.int8`` / ``torch.float8_e4m3fn``): a
+            quantized cache, about a quarter of fp32's bytes (README
+            "Quantized caches"); needs ``attn_implementation="kvcache"``,
+            which dequantizes in registers.
 
     Raises:
         TypeError: ``max_cache_len`` or ``batch_size`` not an int, ``dtype``
@@ -544,6 +580,7 @@ class KVCache(Cache):
         dtype: Optional[torch.dtype] = None,
         device: Optional[Union[str, torch.device]] = None,
         sliding_layers: str = "kvcache",
+        kv_dtype=None,
     ):
         max_cache_len = _as_int("max_cache_len", max_cache_len)
         if not 1 <= max_cache_len < 2**31:
@@ -557,6 +594,7 @@ class KVCache(Cache):
         if sliding_layers not in ("kvcache", "hf"):
             raise ValueError(f"sliding_layers must be 'kvcache' or 'hf', got {sliding_layers!r}")
         dev = torch.device(device) if device is not None else None
+        self.kv_dtype = _kv_dtype(kv_dtype)
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self.config = text
         self._max_cache_len = max_cache_len
@@ -579,12 +617,12 @@ class KVCache(Cache):
         layers = []
         for i, (t, w) in enumerate(zip(types, windows)):
             if t == "full_attention":
-                layers.append(KVCacheLayer(max_cache_len, 0, i))
+                layers.append(KVCacheLayer(max_cache_len, 0, i, kv_dtype=self.kv_dtype))
             elif t == "sliding_attention":
                 if w is None or w < 1:
                     raise ValueError(f"layer {i} is a sliding_attention layer without a sliding_window in the config")
                 if sliding_layers == "kvcache":
-                    layers.append(KVCacheLayer(max_cache_len, int(w), i))
+                    layers.append(KVCacheLayer(max_cache_len, int(w), i, kv_dtype=self.kv_dtype))
                 else:
                     layers.append(StaticSlidingWindowLayer(max_cache_len=max_cache_len, sliding_window=int(w)))
             elif t in ("linear_attention", "conv"):
@@ -632,6 +670,12 @@ class KVCache(Cache):
         if not self._attn_checked and not _compiling():
             self._attn_checked = True
             impl = getattr(self.config, "_attn_implementation", None)
+            if impl != ATTN_IMPLEMENTATION and self.kv_dtype is not None:
+                self._attn_checked = False
+                raise ValueError(
+                    f"a quantized kvcache.hf.KVCache (kv_dtype={self.kv_dtype}) is read by "
+                    f"attn_implementation='{ATTN_IMPLEMENTATION}' only (it dequantizes in registers), got {impl!r}: "
+                    f"load the model with attn_implementation='{ATTN_IMPLEMENTATION}' (nothing was written)")
             if impl != ATTN_IMPLEMENTATION and any(isinstance(l, KVCacheLayer) for l in self.layers):
                 warnings.warn(
                     f"kvcache.hf.KVCache is used with attn_implementation={impl!r}: attention reads the whole "
@@ -803,8 +847,10 @@ def kvcache_attention(
     if attention_mask is not None:
         _check_mask(attention_mask)
     layer = _layer_of(key, value)
+    k_scale = v_scale = None
     if layer is not None:
         lengths, window = layer.lengths, layer.window
+        k_scale, v_scale = layer.k_scale, layer.v_scale
         kv_start = None if attention_mask is None else attention_mask.view(-1, 2).select(1, 0)
     else:
         # Keys that hold a contiguous run of tokens ending at the last query.
@@ -818,7 +864,7 @@ def kvcache_attention(
             lengths = total.clamp(max=key_len)
             kv_start = (kv_start - (total - lengths)).clamp(min=0)
     out = _attend_op(query, key, value, lengths, kv_start=kv_start, scale=scaling, window=window,
-                     softcap=float(softcap or 0.0))
+                     softcap=float(softcap or 0.0), k_scale=k_scale, v_scale=v_scale)
     return out.transpose(1, 2), None
 
 

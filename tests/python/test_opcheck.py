@@ -167,8 +167,14 @@ def test_opcheck_every_operator(name):
     samples = list(SAMPLES[name]())
     assert samples
     for args, kwargs in samples:
-        result = opcheck(handle, args, kwargs, test_utils=ALL_CHECKS)
-        assert set(result) == set(ALL_CHECKS) and all(v == "SUCCESS" for v in result.values()), (name, result)
+        checks = ALL_CHECKS
+        if any(isinstance(a, torch.Tensor) and a.dtype == torch.float8_e4m3fn for a in (*args, *kwargs.values())):
+            # torch's SchemaCheckMode (test_schema) compares tensors with a mul that float8 lacks on CPU
+            # ("mul_cpu_reduced_float" not implemented for 'Float8_e4m3fn'); the int8 samples of the same
+            # operators run it.
+            checks = tuple(c for c in ALL_CHECKS if c != "test_schema")
+        result = opcheck(handle, args, kwargs, test_utils=checks)
+        assert set(result) == set(checks) and all(v == "SUCCESS" for v in result.values()), (name, result)
 
 
 def test_fake_update_raises_same_errors():
