@@ -1,5 +1,5 @@
-"""Shared test helpers: data makers, byte-exact comparison and an independent plain-PyTorch
-reference of the update. Test files import it by name: pytest puts this folder on sys.path."""
+"""Shared test helpers: data makers and byte-exact comparison (the references live in
+references.py). Test files import it by name: pytest puts this folder on sys.path."""
 
 from __future__ import annotations
 
@@ -64,20 +64,3 @@ def random_kv(b, h, chunk, d, dtype=torch.float32, device="cpu", seed=0):
         random_tensor((b, h, chunk, d), dtype, device, seed=seed),
         random_tensor((b, h, chunk, d), dtype, device, seed=seed + 1),
     )
-
-
-def reference_update(keys, values, keys_new, values_new, starts):
-    """Plain slicing on copies: the expected cache after an update.
-
-    Args:
-        starts: an int (every row) or a sequence of per-row ints.
-    """
-    keys, values = keys.clone(), values.clone()
-    chunk = keys_new.shape[2]
-    batch = keys.shape[0]
-    if isinstance(starts, int):
-        starts = [starts] * batch
-    for b, s in enumerate(starts):
-        keys[b, :, s : s + chunk] = keys_new[b]
-        values[b, :, s : s + chunk] = values_new[b]
-    return keys, values

@@ -19,47 +19,16 @@ import torch
 from torch.library import opcheck
 
 import kvcache
+from references import assert_close
+from references import attention_reference as reference
 
 ATTEND = torch.ops.kvcache.attend.default
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# PyTorch's SDPA tests (test/test_transformers.py: default_atol/default_rtol).
-ATOL = {torch.float32: 1e-5, torch.bfloat16: 1e-3, torch.float16: 1e-3}
-RTOL = {torch.float32: 1.3e-6, torch.bfloat16: 1.6e-2, torch.float16: 1e-3}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 # ------------------------------------------------------------- reference ---
-
-
-def reference(q, keys, values, lengths, kv_start=None, scale=None, window=0, softcap=0.0):
-    """float64 masked-softmax attention; reads slots [0, lengths[b]) only.
-
-    Returns (batch, num_heads, seq, head_dim) float64.
-    """
-    b, h, s, d = q.shape
-    kv_heads = keys.shape[1]
-    group = h // kv_heads
-    scale = d**-0.5 if scale is None else scale
-    lengths = lengths.expand(b) if lengths.dim() == 0 else lengths
-    out = torch.zeros(b, h, s, d, dtype=torch.float64)
-    for r in range(b):
-        n = int(lengths[r])
-        first = 0 if kv_start is None else int(kv_start.expand(b)[r])
-        k = keys[r, :, :n].double().repeat_interleave(group, 0)  # (h, n, d)
-        v = values[r, :, :n].double().repeat_interleave(group, 0)
-        scores = q[r].double() @ k.transpose(1, 2) * scale  # (h, s, n)
-        if softcap > 0:
-            scores = softcap * torch.tanh(scores / softcap)
-        pos = torch.arange(s)[:, None] + (n - s)
-        slot = torch.arange(n)[None, :]
-        visible = (slot <= pos) & (slot >= first)
-        if window > 0:
-            visible &= slot > pos - window
-        scores = scores.masked_fill(~visible, float("-inf"))
-        weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows that see nothing: 0
-        out[r] = weights @ v
-    return out
 
 
 def unused_slots(b, seq, max_len, lengths, kv_start, window):
@@ -163,7 +132,7 @@ def check(
     assert out.shape == (b, h, s, d) and out.dtype == dtype
     assert out.transpose(1, 2).is_contiguous()  # (batch, seq, heads, head_dim) memory
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out.double(), expected, atol=ATOL[dtype], rtol=RTOL[dtype])
+    assert_close(out, expected, dtype)
     assert torch.equal(out, clean), "unused slots changed the output"
     return out, expected
 
@@ -266,7 +235,7 @@ def test_large_scores_do_not_overflow():
     values = torch.randn(1, 1, 200, 16)
     lengths = torch.tensor([200], dtype=torch.int32)
     out = ATTEND(q, keys, values, lengths)
-    torch.testing.assert_close(out.double(), reference(q, keys, values, lengths), atol=1e-5, rtol=1.3e-6)
+    assert_close(out, reference(q, keys, values, lengths), torch.float32)
 
 
 # ------------------------------------------------------------- layouts ---

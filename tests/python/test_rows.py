@@ -8,6 +8,7 @@ import torch
 import kvcache
 
 from kv_testing import ALL_DTYPES, assert_same, random_tensor
+from references import select_reference
 
 B, H, T, D = 4, 2, 16, 8
 
@@ -122,16 +123,7 @@ def test_rollback_op_returns_new_tensor():
 
 
 def reference_select(cache, index):
-    """Row b takes row index[b]'s filled slots (cloned reference); beyond them, row b keeps its bytes."""
-    keys, values = cache.keys.clone(), cache.values.clone()
-    lengths = cache.length.clone()
-    for b, src in enumerate(index):
-        n = int(cache.length[src]) if cache.length.dim() else int(cache.length)
-        keys[b, :, :n] = cache.keys[src, :, :n]
-        values[b, :, :n] = cache.values[src, :, :n]
-        if cache.length.dim():
-            lengths[b] = cache.length[src]
-    return keys, values, lengths
+    return select_reference(cache.keys, cache.values, cache.length, index)
 
 
 @pytest.mark.parametrize(

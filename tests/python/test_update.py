@@ -7,7 +7,8 @@ import torch
 
 import kvcache
 
-from kv_testing import ALL_DTYPES, assert_same, filled_cache, random_kv, random_tensor, reference_update
+from kv_testing import ALL_DTYPES, assert_same, filled_cache, random_kv, random_tensor
+from references import update_reference as reference_update
 
 B, H, T, D = 2, 3, 16, 8
 
