@@ -1,4 +1,10 @@
-"""CUDA kernels of every operator against plain-PyTorch references. Skipped without a GPU.
+"""What only CUDA has, for every operator: skipped without a GPU.
+
+Behaviour every device shares (results against the references, layouts, GQA, windows, padding)
+is tested once, with a ``device`` parameter, in the subject's file (test_update.py,
+test_attend.py, test_rows.py). Here: the -1 length convention for bad device values, CUDA
+graphs and reduce-overhead compiles, copy units and alignment, 64-bit offsets, split-K rows,
+and several GPUs.
 
 Each test names the bug it would catch. Every op call runs under
 ``torch.cuda.set_sync_debug_mode("error")`` (``no_sync``), so a hidden host
@@ -10,7 +16,6 @@ around the cache.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
@@ -18,7 +23,7 @@ import torch
 
 import kvcache
 
-from kv_testing import ALL_DTYPES, as_bytes, assert_same, random_tensor
+from kv_testing import ALL_DTYPES, as_bytes, assert_same, no_host_sync, random_tensor
 from references import assert_close, attention_reference, select_reference
 from references import update_reference as reference_update
 
@@ -33,15 +38,9 @@ ops = torch.ops.kvcache
 # ----------------------------------------------------------------- helpers
 
 
-@contextlib.contextmanager
 def no_sync():
     """Any synchronizing CUDA call inside raises (a hidden host read of a device value)."""
-    prev = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(prev)
+    return no_host_sync(DEV)
 
 
 def rand(shape, dtype, seed=0):
@@ -508,37 +507,6 @@ def attend_case(dtype, batch, heads, kv_heads, head_dim, seq, lengths, max_len, 
     return q, keys, values
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("ratio", [1, 2, 4, 8])
-@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
-@pytest.mark.parametrize("seq", [1, 7])
-def test_attend_decode_and_short_chunks(dtype, ratio, head_dim, seq):
-    """Against float64: GQA ratios, head dims, ragged lengths (== seq, full), NaN/Inf beyond."""
-    kv_heads, max_len = 2, 300
-    lengths = [seq, 300, 123]
-    q, keys, values = attend_case(dtype, 3, kv_heads * ratio, kv_heads, head_dim, seq, lengths, max_len)
-    lens = ints(lengths, torch.int32)
-    with no_sync():
-        out = ops.attend(q, keys, values, lens)
-    assert not out.isnan().any()
-    assert_close(out, attention_reference(q, keys, values, lens.cpu()), dtype)
-    # Output memory is (batch, seq, heads, head_dim).
-    assert out.transpose(1, 2).is_contiguous()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("seq", [64, 512])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_attend_prefill_and_chunked_prefill(dtype, seq, head_dim):
-    """seq > 1: prefill from an empty cache (length == seq) and a chunk after earlier content."""
-    lengths = [seq, seq + 200]
-    q, keys, values = attend_case(dtype, 2, 8, 2, head_dim, seq, lengths, seq + 256)
-    lens = ints(lengths)
-    with no_sync():
-        out = ops.attend(q, keys, values, lens)
-    assert_close(out, attention_reference(q, keys, values, lens.cpu()), dtype)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("seq", [1, 5, 64])
 def test_attend_kv_start_window_softcap_scale(dtype, seq):
@@ -557,18 +525,6 @@ def test_attend_kv_start_window_softcap_scale(dtype, seq):
             out = ops.attend(q, keys, values, lens, kv_start=firsts, scale=scale, window=window, softcap=softcap)
         ref = attention_reference(q, keys, values, lens.cpu(), firsts.cpu(), scale, window, softcap)
         assert_close(out, ref, dtype)
-
-
-def test_attend_queries_that_see_nothing_output_zero():
-    lengths, first = [10, 10], [10, 8]  # row 0 sees nothing; row 1: query i sees [8, 7 + i]
-    q, keys, values = attend_case(torch.float32, 2, 2, 2, 64, 4, lengths, 16)
-    lens, firsts = ints(lengths), ints(first)
-    with no_sync():
-        out = ops.attend(q, keys, values, lens, kv_start=firsts)
-    assert torch.equal(out[0], torch.zeros_like(out[0]))
-    assert torch.equal(out[1, :, :2], torch.zeros_like(out[1, :, :2]))  # slots 6, 7 < kv_start
-    ref = attention_reference(q, keys, values, torch.tensor(lengths), torch.tensor(first))
-    assert_close(out, ref, torch.float32)
 
 
 @pytest.mark.parametrize("batch,kv_heads", [(2, 1), (64, 8)])  # split-K + combine, and one split
