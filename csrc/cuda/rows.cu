@@ -153,7 +153,7 @@ void select_rows_cuda(const SelectRowsParams& p) {
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(p.device_index));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
-  const int64_t slabs = p.batch * p.heads;
+  const int64_t slabs = p.batch * p.num_kv_heads;
   const int64_t row_bytes = p.head_dim * p.elem;
   const bool move = slabs > 0 && row_bytes > 0 && p.max_len > 0;
   // Rounds of `chunk` slots through a scratch of about kScratchBytes.
@@ -188,10 +188,10 @@ void select_rows_cuda(const SelectRowsParams& p) {
   if (!move) return;
 
   // Scratch: dense (buffer, row, head, slot, element).
-  const int64_t scr_stride[4] = {p.heads * chunk * row_bytes, chunk * row_bytes,
+  const int64_t scr_stride[4] = {p.num_kv_heads * chunk * row_bytes, chunk * row_bytes,
                                  row_bytes, p.elem};
-  const int64_t scr_size[4] = {p.batch, p.heads, chunk, p.head_dim};
-  const int64_t buf_size[4] = {p.batch, p.heads, p.max_len, p.head_dim};
+  const int64_t scr_size[4] = {p.batch, p.num_kv_heads, chunk, p.head_dim};
+  const int64_t buf_size[4] = {p.batch, p.num_kv_heads, p.max_len, p.head_dim};
   MoveArgs gather, scatter;
   for (int w = 0; w < 2; ++w) {
     char* scr = slots + w * p.batch * scr_stride[0];
@@ -204,7 +204,7 @@ void select_rows_cuda(const SelectRowsParams& p) {
   }
   for (MoveArgs* m : {&gather, &scatter}) {
     m->slabs = static_cast<unsigned>(slabs);
-    m->heads = static_cast<unsigned>(p.heads);
+    m->heads = static_cast<unsigned>(p.num_kv_heads);
     m->index = p.index;
     m->plan = plan;
     m->chunk = chunk;
