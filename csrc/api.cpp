@@ -6,6 +6,7 @@
 #include "kvcache/kvcache.h"
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 namespace kvcache {
@@ -148,18 +149,6 @@ KVLayerCache init_quantized_kv_layer_cache(int64_t batch_size,
   return c;
 }
 
-void select_kv_layer_cache_rows(KVLayerCache& cache, const at::Tensor& index) {
-  at::Tensor length = select_rows_(cache.keys, cache.values, cache.length, index);
-  if (cache.quantized()) {
-    // The scales are (batch, heads, max_len) buffers indexed like the
-    // slots: moved as (..., max_len, 1) caches by the same operator.
-    at::Tensor ks = cache.k_scale.unsqueeze(-1);
-    at::Tensor vs = cache.v_scale.unsqueeze(-1);
-    select_rows_(ks, vs, cache.length, index);
-  }
-  cache.length.copy_(length);
-}
-
 KVLayerCache update_kv_layer_cache(const KVLayerCache& cache,
                                    const at::Tensor& keys_new,
                                    const at::Tensor& values_new,
@@ -184,9 +173,9 @@ KVLayerCache update_kv_layer_cache(const KVLayerCache& cache,
   return out;
 }
 
-void append_kv_layer_cache(const KVLayerCache& cache,
-                           const at::Tensor& keys_new,
-                           const at::Tensor& values_new) {
+KVLayerCache append_kv_layer_cache(const KVLayerCache& cache,
+                                   const at::Tensor& keys_new,
+                                   const at::Tensor& values_new) {
   KVLayerCache c = cache;  // the same tensors: written in place
   if (c.quantized()) {
     append_quantized_(c.keys, c.values, c.k_scale, c.v_scale, c.length,
@@ -194,6 +183,47 @@ void append_kv_layer_cache(const KVLayerCache& cache,
   } else {
     append_(c.keys, c.values, c.length, keys_new, values_new);
   }
+  return cache;
+}
+
+namespace {
+
+// cache.length is written with copy_ after the operator ran: refuse a
+// length that copy_ could not write (an expanded view) before the operator
+// moves anything.
+void check_length_writable(const at::Tensor& length) {
+  TORCH_CHECK_VALUE(
+      at::has_internal_overlap(length) != at::MemOverlap::Yes,
+      "cache.length must be writable in place (not an expanded view with "
+      "entries sharing memory), got shape ", length.sizes(), " and strides ",
+      length.strides(), "; pass length.clone() or a (batch,) tensor");
+}
+
+}  // namespace
+
+KVLayerCache rollback_kv_layer_cache(const KVLayerCache& cache,
+                                     const at::Tensor& n,
+                                     const std::optional<at::Tensor>& kv_start) {
+  check_length_writable(cache.length);
+  at::Tensor length = cache.length;
+  length.copy_(rollback(cache.length, n, kv_start));
+  return cache;
+}
+
+KVLayerCache select_rows_kv_layer_cache(const KVLayerCache& cache,
+                                        const at::Tensor& index) {
+  check_length_writable(cache.length);
+  KVLayerCache c = cache;
+  if (c.quantized()) {
+    // The scales are (batch, heads, max_len) buffers indexed like the
+    // slots: moved as (..., max_len, 1) caches by the same operator (the
+    // same checks: a call that fails raises before either writes).
+    at::Tensor ks = c.k_scale.unsqueeze(-1);
+    at::Tensor vs = c.v_scale.unsqueeze(-1);
+    select_rows_(ks, vs, c.length, index);
+  }
+  c.length.copy_(select_rows_(c.keys, c.values, c.length, index));
+  return cache;
 }
 
 at::Tensor attend(const at::Tensor& q, const KVLayerCache& cache,

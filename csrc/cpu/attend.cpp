@@ -150,7 +150,7 @@ template <typename T, typename TKV = T>
 void attend_typed(const AttendParams& p) {
   Plan plan;
   plan.p = &p;
-  plan.group = p.num_heads / p.kv_heads;
+  plan.group = p.num_heads / p.num_kv_heads;
   plan.dim = p.head_dim;
   plan.dim_pad = (p.head_dim + 7) / 8 * 8;
   plan.tile = std::clamp<int64_t>(kTileRows / plan.group, 1, p.seq);
@@ -172,7 +172,7 @@ void attend_typed(const AttendParams& p) {
   const int64_t tiles = (p.seq + plan.tile - 1) / plan.tile;
   std::vector<Task> tasks;
   std::vector<double> work;
-  tasks.reserve(p.batch * p.kv_heads * tiles);
+  tasks.reserve(p.batch * p.num_kv_heads * tiles);
   double total = 0.0;
   for (int64_t b = 0; b < p.batch; ++b) {
     for (int64_t tile = 0; tile < tiles; ++tile) {
@@ -182,7 +182,7 @@ void attend_typed(const AttendParams& p) {
       visible(p, b, i1 - 1, lo1, hi1);
       const int64_t slots = std::max<int64_t>(0, hi1 - std::min(lo0, lo1));
       const double w = work_of(plan, plan.group * (i1 - i0), slots, sizeof(TKV));
-      for (int64_t kvh = 0; kvh < p.kv_heads; ++kvh) {
+      for (int64_t kvh = 0; kvh < p.num_kv_heads; ++kvh) {
         Task t;
         t.b = b;
         t.kvh = kvh;

@@ -63,7 +63,7 @@ void quant_update_typed(const QuantUpdateParams& q) {
   const bool per_row = p.starts.data != nullptr && p.starts.numel > 1;
   auto start_of = [&](int64_t b) { return p.host_starts[per_row ? b : 0]; };
 
-  const int64_t slabs = p.batch * p.heads;
+  const int64_t slabs = p.batch * p.num_kv_heads;
   const int64_t slab_bytes = p.chunk * p.head_dim * p.elem;
   if (slabs > 0 && p.chunk > 0 && p.head_dim > 0) {
     auto work = [&](int64_t begin, int64_t end) {
@@ -71,8 +71,8 @@ void quant_update_typed(const QuantUpdateParams& q) {
       for (int64_t i = begin; i < end; ++i) {
         const int which = i >= slabs ? 1 : 0;
         const int64_t bh = i - which * slabs;
-        const int64_t b = bh / p.heads;
-        const int64_t h = bh - b * p.heads;
+        const int64_t b = bh / p.num_kv_heads;
+        const int64_t h = bh - b * p.num_kv_heads;
         const int64_t start = start_of(b);
         const auto& d = p.dst[which];
         const auto& s = p.src[which];

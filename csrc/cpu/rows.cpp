@@ -49,7 +49,7 @@ void select_rows_cpu(const SelectRowsParams& p) {
       if (index[b] != b) most = std::max(most, len[b]);
     }
     std::unique_ptr<char[]> stage(
-        new char[static_cast<size_t>(std::max<int64_t>(1, 2 * p.heads * most * row_bytes))]);
+        new char[static_cast<size_t>(std::max<int64_t>(1, 2 * p.num_kv_heads * most * row_bytes))]);
     int64_t staged = -1;
     // Copies `slots` filled slots of one row, keys and values: from row src
     // (src < 0: from the stage) to row dst (dst < 0: into the stage).
@@ -57,7 +57,7 @@ void select_rows_cpu(const SelectRowsParams& p) {
       char* tmp = stage.get();
       for (int w = 0; w < 2; ++w) {
         const detail::DstRows& buf = p.buf[w];
-        for (int64_t h = 0; h < p.heads; ++h, tmp += slots * row_bytes) {
+        for (int64_t h = 0; h < p.num_kv_heads; ++h, tmp += slots * row_bytes) {
           char* row0 = buf.data + h * buf.stride[1];
           if (dst < 0) {
             cpu::copy_block(tmp, row_bytes, p.elem, row0 + src * buf.stride[0],

@@ -54,15 +54,15 @@ void update_cpu(const UpdateParams& p) {
   const bool per_row = p.starts.data != nullptr && p.starts.numel > 1;
   auto start_of = [&](int64_t b) { return p.host_starts[per_row ? b : 0]; };
 
-  const int64_t slabs = p.batch * p.heads;
+  const int64_t slabs = p.batch * p.num_kv_heads;
   const int64_t slab_bytes = p.chunk * p.head_dim * p.elem;
   if (slabs > 0 && slab_bytes > 0) {
     auto work = [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int which = i >= slabs ? 1 : 0;
         const int64_t bh = i - which * slabs;
-        const int64_t b = bh / p.heads;
-        copy_slab(p.dst[which], p.src[which], b, bh - b * p.heads, start_of(b), p);
+        const int64_t b = bh / p.num_kv_heads;
+        copy_slab(p.dst[which], p.src[which], b, bh - b * p.num_kv_heads, start_of(b), p);
       }
     };
     const int64_t total = 2 * slabs * slab_bytes;

@@ -35,7 +35,7 @@
 // block writes the output; otherwise it writes (max, sum, accumulator) to a
 // scratch buffer from the caching allocator (sized from shapes, never from
 // device values) and attend_combine_kernel merges them.
-#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -71,7 +71,7 @@ struct AttnArgs {
   const void* v;
   void* out;
   int64_t qs[4], ks[4], vs[4], os[4];  // element strides
-  int64_t batch, num_heads, kv_heads, group, seq, head_dim, max_len;
+  int64_t batch, num_heads, num_kv_heads, group, seq, head_dim, max_len;
   int64_t rows_per_kv;  // group * seq
   int64_t row_tiles;    // ceil(rows_per_kv / R)
   int tile_slots;       // N: slots per tile
@@ -190,8 +190,8 @@ __global__ void __launch_bounds__(kThreads)
   const int tid = threadIdx.x;
   const int64_t tile = static_cast<int64_t>(blockIdx.x) % a.row_tiles;
   const int64_t bk = static_cast<int64_t>(blockIdx.x) / a.row_tiles;
-  const int64_t kvh = bk % a.kv_heads;
-  const int64_t b = bk / a.kv_heads;
+  const int64_t kvh = bk % a.num_kv_heads;
+  const int64_t b = bk / a.num_kv_heads;
   const int split = blockIdx.y;
   const int64_t row0 = tile * R;
   const int64_t rem = a.rows_per_kv - row0;
@@ -510,7 +510,7 @@ void launch_rows(const AttnArgs& a, int64_t smem, dim3 grid,
 template <typename T, typename TKV = T>
 void attend_typed(const AttendParams& p, AttnArgs a, int R, int64_t smem,
                   cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(p.batch * p.kv_heads * a.row_tiles),
+  const dim3 grid(static_cast<unsigned>(p.batch * p.num_kv_heads * a.row_tiles),
                   static_cast<unsigned>(a.splits));
   switch (R) {
     case 1: launch_rows<T, TKV, 1>(a, smem, grid, stream); break;
@@ -557,8 +557,8 @@ void attend_cuda(const AttendParams& p) {
   }
   a.batch = p.batch;
   a.num_heads = p.num_heads;
-  a.kv_heads = p.kv_heads;
-  a.group = p.num_heads / p.kv_heads;  // kv_heads >= 1: the output is not empty
+  a.num_kv_heads = p.num_kv_heads;
+  a.group = p.num_heads / p.num_kv_heads;  // num_kv_heads >= 1: the output is not empty
   a.seq = p.seq;
   a.head_dim = p.head_dim;
   a.max_len = p.max_len;
@@ -606,7 +606,7 @@ void attend_cuda(const AttendParams& p) {
   a.pitch = static_cast<int>(((D + 31) / 32) * 32 + a.parts);
   a.row_tiles = (a.rows_per_kv + R - 1) / R;
 
-  const int64_t blocks = p.batch * p.kv_heads * a.row_tiles;
+  const int64_t blocks = p.batch * p.num_kv_heads * a.row_tiles;
   TORCH_CHECK_VALUE(blocks <= std::numeric_limits<int32_t>::max(),
                     "kvcache::attend on CUDA: batch * num_kv_heads * query "
                     "tiles = ", blocks, " is too large for one launch");
@@ -624,23 +624,22 @@ void attend_cuda(const AttendParams& p) {
   a.splits = static_cast<int>(splits);
   a.k_vec = false;
   a.v_vec = false;
-  const int64_t kv_size[4] = {p.batch, p.kv_heads, p.max_len, D};
+  const int64_t kv_size[4] = {p.batch, p.num_kv_heads, p.max_len, D};
   // float4 shared-memory stores need D to be a multiple of 4 floats.
   if (D % 4 == 0) {
     a.k_vec = allows_vec(p.k, p.k_stride, kv_size, elem);
     a.v_vec = allows_vec(p.v, p.v_stride, kv_size, elem);
   }
 
-  at::Tensor scratch;
+  c10::DataPtr scratch;
   if (a.splits > 1) {
     // (max, sum) and the accumulator of every (split, row): host-known
-    // sizes; stream-ordered caching-allocator memory (graph-safe).
+    // sizes; stream-ordered caching-allocator memory on the current device
+    // and stream (graph-safe), freed when this launcher returns.
     const int64_t floats = a.splits * a.total_rows * (D + 2);
-    scratch = at::empty({floats},
-                        at::TensorOptions()
-                            .dtype(at::kFloat)
-                            .device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(p.device_index))));
-    a.part_ml = scratch.data_ptr<float>();
+    scratch = c10::cuda::CUDACachingAllocator::get()->allocate(
+        static_cast<size_t>(floats) * sizeof(float));
+    a.part_ml = static_cast<float*>(scratch.get());
     a.part_acc = a.part_ml + 2 * a.splits * a.total_rows;
   }
 

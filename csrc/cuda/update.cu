@@ -110,7 +110,7 @@ void update_cuda(const UpdateParams& p) {
 
   // A copy happens only if there is something to copy and it can fit
   // (chunk <= max_len; a device start then still decides per launch).
-  const int64_t slabs = p.batch * p.heads;
+  const int64_t slabs = p.batch * p.num_kv_heads;
   const bool copy = slabs > 0 && p.chunk > 0 && p.head_dim > 0 &&
                     p.chunk <= p.max_len;
   CopyArgs a;
@@ -127,15 +127,15 @@ void update_cuda(const UpdateParams& p) {
   unsigned grid_y = 1;
   if (copy) {
     cuda::check_copy_slabs(slabs);  // before any launch: nothing written
-    const int64_t dst_size[4] = {p.batch, p.heads, p.max_len, p.head_dim};
-    const int64_t src_size[4] = {p.batch, p.heads, p.chunk, p.head_dim};
+    const int64_t dst_size[4] = {p.batch, p.num_kv_heads, p.max_len, p.head_dim};
+    const int64_t src_size[4] = {p.batch, p.num_kv_heads, p.chunk, p.head_dim};
     for (int w = 0; w < 2; ++w) {
       a.pair[w] = cuda::plan_copy(p.dst[w].data, p.dst[w].stride, dst_size,
                                   p.src[w].data, p.src[w].stride, src_size,
                                   p.head_dim, p.elem);
     }
     a.slabs = static_cast<unsigned>(slabs);
-    a.heads = static_cast<unsigned>(p.heads);
+    a.heads = static_cast<unsigned>(p.num_kv_heads);
     // One block shape for both pairs: the one with more units per row.
     const int64_t units =
         a.pair[0].units > a.pair[1].units ? a.pair[0].units : a.pair[1].units;
@@ -257,7 +257,7 @@ void quant_update_cuda(const detail::QuantUpdateParams& q) {
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(p.device_index));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const bool device_starts = p.starts.data != nullptr;
-  const int64_t slabs = p.batch * p.heads;
+  const int64_t slabs = p.batch * p.num_kv_heads;
   const bool write = slabs > 0 && p.chunk > 0 && p.head_dim > 0 &&
                      p.chunk <= p.max_len;
   QuantArgs a{};
@@ -284,7 +284,7 @@ void quant_update_cuda(const detail::QuantUpdateParams& q) {
   if (write) {
     cuda::check_copy_slabs(slabs);  // before any launch: nothing written
     a.slabs = static_cast<unsigned>(slabs);
-    a.heads = static_cast<unsigned>(p.heads);
+    a.heads = static_cast<unsigned>(p.num_kv_heads);
     const int64_t tiles = (p.chunk + kQuantWarps - 1) / kQuantWarps;
     grid = dim3(static_cast<unsigned>(2 * slabs),
                 static_cast<unsigned>(tiles < 65535 ? tiles : 65535));

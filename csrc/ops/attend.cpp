@@ -178,7 +178,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys,
   strides_of(values, p.v_stride);
   strides_of(out, p.out_stride);
   p.batch = keys.size(0);
-  p.kv_heads = keys.size(1);
+  p.num_kv_heads = keys.size(1);
   p.max_len = keys.size(2);
   p.head_dim = keys.size(3);
   p.num_heads = q.size(1);

@@ -31,7 +31,7 @@ struct AttendParams {
   // Element strides (not bytes): the kernels index typed pointers.
   const void* q = nullptr;  // (batch, num_heads, seq, head_dim)
   int64_t q_stride[4] = {};
-  const void* k = nullptr;  // (batch, kv_heads, max_len, head_dim)
+  const void* k = nullptr;  // (batch, num_kv_heads, max_len, head_dim)
   int64_t k_stride[4] = {};
   const void* v = nullptr;  // same shape as k
   int64_t v_stride[4] = {};
@@ -39,7 +39,7 @@ struct AttendParams {
   int64_t out_stride[4] = {};
   int64_t batch = 0;
   int64_t num_heads = 0;
-  int64_t kv_heads = 0;
+  int64_t num_kv_heads = 0;
   int64_t seq = 0;
   int64_t head_dim = 0;
   int64_t max_len = 0;

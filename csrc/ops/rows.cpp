@@ -163,7 +163,7 @@ at::Tensor select_rows_(at::Tensor& keys, at::Tensor& values,
   p.buf[0] = detail::dst_rows(keys);
   p.buf[1] = detail::dst_rows(values);
   p.batch = keys.size(0);
-  p.heads = keys.size(1);
+  p.num_kv_heads = keys.size(1);
   p.max_len = keys.size(2);
   p.head_dim = keys.size(3);
   p.elem = static_cast<int64_t>(keys.element_size());

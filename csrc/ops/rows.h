@@ -39,7 +39,7 @@ extern DeviceStub<RollbackFn> rollback_stub;
 struct SelectRowsParams {
   DstRows buf[2];  // keys, values (read and written)
   int64_t batch = 0;
-  int64_t heads = 0;
+  int64_t num_kv_heads = 0;
   int64_t max_len = 0;
   int64_t head_dim = 0;
   int64_t elem = 0;

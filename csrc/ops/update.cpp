@@ -391,7 +391,7 @@ detail::UpdateParams make_params(at::Tensor& keys, at::Tensor& values,
   p.src[0] = detail::src_rows(keys_new);
   p.src[1] = detail::src_rows(values_new);
   p.batch = keys.size(0);
-  p.heads = keys.size(1);
+  p.num_kv_heads = keys.size(1);
   p.max_len = keys.size(2);
   p.head_dim = keys.size(3);
   p.chunk = keys_new.size(2);

@@ -25,7 +25,7 @@ struct UpdateParams {
   DstRows dst[2];  // keys, values
   SrcRows src[2];  // keys_new, values_new
   int64_t batch = 0;
-  int64_t heads = 0;
+  int64_t num_kv_heads = 0;
   int64_t chunk = 0;
   int64_t head_dim = 0;
   int64_t max_len = 0;

@@ -170,7 +170,10 @@ def update_kv_layer_cache(
         cache: Existing :class:`KVLayerCache`.
         keys_new: Keys of shape ``(batch, num_kv_heads, chunk, head_dim)``,
             the cache's dtype and device; any strides (for example a
-            transposed ``(batch, chunk, heads, head_dim)`` view).
+            transposed ``(batch, chunk, heads, head_dim)`` view). For a
+            quantized cache: float32, bfloat16 or float16, quantized per
+            slot with their scales written to ``cache.k_scale`` /
+            ``cache.v_scale`` (``update_quantized_``).
         values_new: Values of the same shape as ``keys_new``.
         start: Position to write at: a Python int, or an int32/int64 tensor on
             the cache's device, 0-D (same start for every row) or of shape

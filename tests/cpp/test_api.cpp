@@ -211,6 +211,52 @@ TEST_CASE("append_, attend, rollback and select_rows_ through the C++ API", "[ap
                     c10::ValueError);
 }
 
+TEST_CASE("rollback_kv_layer_cache and select_rows_kv_layer_cache work in place", "[api]") {
+  auto cache = kvcache::init_kv_layer_cache(3, 2, 4, 8, at::kFloat);
+  cache.keys.copy_(at::randn({3, 2, 8, 4}));
+  cache.values.copy_(at::randn({3, 2, 8, 4}));
+  cache.length = at::tensor({5, 8, 2}, at::kInt);
+  const auto keys = cache.keys.clone(), values = cache.values.clone();
+  const void* length_address = cache.length.data_ptr();
+
+  auto out = kvcache::rollback_kv_layer_cache(cache, at::tensor({2, 0, 1}, at::kInt));
+  REQUIRE(out.length.data_ptr() == length_address);  // the caller's tensor, written in place
+  REQUIRE(at::equal(cache.length, at::tensor({3, 8, 1}, at::kInt)));
+  REQUIRE(at::equal(cache.keys, keys));  // nothing else moves
+  REQUIRE_THROWS_AS(kvcache::rollback_kv_layer_cache(cache, at::tensor({4, 0, 0}, at::kInt)),
+                    c10::ValueError);
+  REQUIRE(at::equal(cache.length, at::tensor({3, 8, 1}, at::kInt)));
+
+  out = kvcache::select_rows_kv_layer_cache(cache, at::tensor({1, 1, 0}, at::kLong));
+  REQUIRE(out.length.data_ptr() == length_address);
+  REQUIRE(at::equal(cache.length, at::tensor({8, 8, 3}, at::kInt)));
+  for (int64_t b = 0; b < 3; ++b) {
+    const int64_t src = b < 2 ? 1 : 0;
+    const int64_t n = cache.length[b].item<int64_t>();
+    REQUIRE(at::equal(cache.keys[b].narrow(1, 0, n), keys[src].narrow(1, 0, n)));
+    REQUIRE(at::equal(cache.values[b].narrow(1, 0, n), values[src].narrow(1, 0, n)));
+  }
+}
+
+TEST_CASE("an expanded cache.length is refused before any row moves", "[api][errors]") {
+  auto cache = kvcache::init_kv_layer_cache(2, 1, 4, 8, at::kFloat);
+  cache.keys.copy_(at::randn({2, 1, 8, 4}));
+  cache.length = at::tensor(5, at::kInt).expand({2});
+  const auto keys = cache.keys.clone();
+  REQUIRE_THROWS_AS(kvcache::select_rows_kv_layer_cache(cache, at::tensor({1, 0}, at::kLong)),
+                    c10::ValueError);
+  REQUIRE(at::equal(cache.keys, keys));
+  REQUIRE_THROWS_AS(kvcache::rollback_kv_layer_cache(cache, at::tensor(1, at::kInt)), c10::ValueError);
+}
+
+TEST_CASE("append_kv_layer_cache returns the cache it advanced", "[api]") {
+  auto cache = kvcache::init_kv_layer_cache(1, 1, 4, 8, at::kFloat);
+  cache.length = at::tensor({0}, at::kInt);
+  auto out = kvcache::append_kv_layer_cache(cache, at::randn({1, 1, 3, 4}), at::randn({1, 1, 3, 4}));
+  REQUIRE(out.length.data_ptr() == cache.length.data_ptr());
+  REQUIRE(cache.length.item<int>() == 3);
+}
+
 TEST_CASE("quantized caches through the C++ API: write, attend, select rows", "[api][quant]") {
   for (auto kv : {at::kChar, at::kFloat8_e4m3fn}) {
     auto cache = kvcache::init_quantized_kv_layer_cache(B, H, D, T, kv);
@@ -239,7 +285,7 @@ TEST_CASE("quantized caches through the C++ API: write, attend, select rows", "[
     REQUIRE(at::isfinite(out).all().item<bool>());
     // Row 0 takes row 1: data, scales and length.
     const auto row1_scale = cache.k_scale[1].clone();
-    kvcache::select_kv_layer_cache_rows(cache, at::tensor({int64_t{1}, int64_t{1}}));
+    kvcache::select_rows_kv_layer_cache(cache, at::tensor({int64_t{1}, int64_t{1}}));
     REQUIRE(cache.k_scale[0].narrow(1, 0, 5).equal(row1_scale.narrow(1, 0, 5)));
     REQUIRE(cache.keys[0].narrow(1, 0, 5).view(at::kByte).equal(cache.keys[1].narrow(1, 0, 5).view(at::kByte)));
     // A float cache is refused by the quantized write, before anything is written.

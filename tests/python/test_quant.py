@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import kvcache
-from test_attend import reference
+from references import attention_reference as reference
 from kv_testing import as_bytes, random_tensor
 
 ops = torch.ops.kvcache

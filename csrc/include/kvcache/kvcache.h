@@ -158,11 +158,6 @@ KVCACHE_API KVLayerCache init_quantized_kv_layer_cache(
     int64_t batch_size, int64_t num_kv_heads, int64_t head_dim,
     int64_t max_len, at::ScalarType kv_dtype, c10::Device device = c10::kCPU);
 
-/// Row b of the cache (data, scales of a quantized cache, length) takes row
-/// index[b]'s, in place (select_rows_ on the data, then on the scales).
-KVCACHE_API void select_kv_layer_cache_rows(KVLayerCache& cache,
-                                            const at::Tensor& index);
-
 /// Writes new keys/values into `cache` at [start, start + chunk), in place
 /// (quantizing them for a quantized cache).
 /// Returns a cache sharing cache's buffers, with length = start + chunk.
@@ -178,10 +173,31 @@ KVCACHE_API KVLayerCache update_kv_layer_cache(const KVLayerCache& cache,
                                                const at::Tensor& values_new,
                                                const at::Tensor& start);
 
+// Beyond the original module, every operation on one layer's cache is
+// <operation>_kv_layer_cache(cache, ...), the Python API's names: it works in
+// place (the buffers and the length tensor keep their addresses) and returns
+// the cache. Each throws c10::ValueError / c10::TypeError before anything is
+// written, including the write of cache.length itself.
+
 /// Writes at cache.length and advances cache.length in place (one op).
-KVCACHE_API void append_kv_layer_cache(const KVLayerCache& cache,
-                                       const at::Tensor& keys_new,
-                                       const at::Tensor& values_new);
+/// Returns `cache`.
+KVCACHE_API KVLayerCache append_kv_layer_cache(const KVLayerCache& cache,
+                                               const at::Tensor& keys_new,
+                                               const at::Tensor& values_new);
+
+/// Drops the last n[b] tokens of each row (n: an int32/int64 tensor, 0-D or
+/// of cache.length's shape): cache.length becomes length - n, in place;
+/// nothing else moves. Throws if a row would go below kv_start (default 0).
+/// Returns `cache`.
+KVCACHE_API KVLayerCache rollback_kv_layer_cache(
+    const KVLayerCache& cache, const at::Tensor& n,
+    const std::optional<at::Tensor>& kv_start = std::nullopt);
+
+/// Row b takes the filled slots (and a quantized cache's scales) and length
+/// of row index[b] ((batch,) int32/int64: permutations, repeats, subsets),
+/// in place. Returns `cache`.
+KVCACHE_API KVLayerCache select_rows_kv_layer_cache(const KVLayerCache& cache,
+                                                    const at::Tensor& index);
 
 /// Attention of q over the filled slots of `cache` (see attend above).
 KVCACHE_API at::Tensor attend(const at::Tensor& q, const KVLayerCache& cache,
