@@ -502,3 +502,41 @@ if given is not None:
         ref = reference(q, dequantize(c.keys, c.k_scale), dequantize(c.values, c.v_scale), out.length)
         scale = ref.abs().max().item() + 1e-30
         assert (res.double() - ref).abs().max().item() <= 1e-4 * scale
+
+
+# ------------------------------------------------------- transformers ---
+
+
+def test_hf_kvcache_kv_dtype():
+    transformers = pytest.importorskip("transformers")
+    import kvcache.hf as kh
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.set_attn_implementation("kvcache")
+    ids = torch.randint(0, 64, (2, 12))
+    with torch.inference_mode():
+        ref = model(input_ids=ids, past_key_values=kh.KVCache(cfg, 32)).logits
+        for spelling, dt in (("int8", torch.int8), (torch.float8_e4m3fn, torch.float8_e4m3fn)):
+            cache = kh.KVCache(cfg, 32, kv_dtype=spelling)
+            got = model(input_ids=ids[:, :7], past_key_values=cache).logits
+            got = torch.cat([got, model(input_ids=ids[:, 7:], past_key_values=cache).logits], 1)
+            layer = cache.layers[0]
+            assert layer.keys.dtype == dt and layer.k_scale.shape == (2, 2, 32)
+            assert layer.lengths.tolist() == [12, 12]
+            # the scales of the written slots are those of the keys the model wrote (not the initial ones)
+            assert not torch.equal(layer.k_scale[:, :, :12], torch.ones(2, 2, 12))
+            tol = 0.05 if dt == torch.int8 else 0.2
+            assert (got - ref).abs().max() < tol
+            before = layer.k_scale.clone(), layer.keys.clone()
+            cache.reorder_cache(torch.tensor([1, 0]))  # moves the scales with the rows
+            assert torch.equal(layer.k_scale[0, :, :12], before[0][1, :, :12])
+            assert torch.equal(layer.k_scale[1, :, :12], before[0][0, :, :12])
+            assert torch.equal(layer.keys[0, :, :12].view(torch.uint8), before[1][1, :, :12].view(torch.uint8))
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match="quantized kvcache.hf.KVCache .* is read by attn_implementation='kvcache'"):
+        model(input_ids=ids, past_key_values=kh.KVCache(cfg, 32, kv_dtype="int8"))
+    with pytest.raises(TypeError, match="kv_dtype must be"):
+        kh.KVCache(cfg, 32, kv_dtype="int4")
