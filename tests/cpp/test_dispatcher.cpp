@@ -35,7 +35,14 @@ TEST_CASE("schemas are registered with mutation annotations", "[dispatcher]") {
           "Tensor keys_new, Tensor values_new) -> ()");
   REQUIRE(schema_of("kvcache::attend") ==
           "kvcache::attend(Tensor q, Tensor keys, Tensor values, Tensor lengths, *, "
-          "Tensor? kv_start=None, float? scale=None, int window=0, float softcap=0.) -> Tensor");
+          "Tensor? kv_start=None, float? scale=None, int window=0, float softcap=0., "
+          "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
+  REQUIRE(schema_of("kvcache::update_quantized_") ==
+          "kvcache::update_quantized_(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) k_scale, "
+          "Tensor(d!) v_scale, Tensor keys_new, Tensor values_new, SymInt start) -> Tensor");
+  REQUIRE(schema_of("kvcache::append_quantized_") ==
+          "kvcache::append_quantized_(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) k_scale, "
+          "Tensor(d!) v_scale, Tensor(e!) lengths, Tensor keys_new, Tensor values_new) -> ()");
   REQUIRE(schema_of("kvcache::rollback") ==
           "kvcache::rollback(Tensor lengths, Tensor n, *, Tensor? kv_start=None) -> Tensor");
   REQUIRE(schema_of("kvcache::select_rows_") ==
