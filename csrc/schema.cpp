@@ -48,6 +48,15 @@ TORCH_LIBRARY(kvcache, m) {
       "append_(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) lengths, "
       "Tensor keys_new, Tensor values_new) -> ()");
 
+  // append_ that returns the new lengths (a new tensor of lengths' dtype and
+  // shape) instead of writing them, with append_'s checks and messages
+  // (lengths is checked as a tensor the caller writes: the Python API copies
+  // the result into it). What traced code calls instead of append_: see
+  // rows.h for the Inductor bug an in-place length write meets.
+  m.def(
+      "append_returning_(Tensor(a!) keys, Tensor(b!) values, Tensor lengths, "
+      "Tensor keys_new, Tensor values_new) -> Tensor");
+
   // Attention of q (batch, num_heads, seq, head_dim) over the filled slots
   // of the cache: query i of row b sits at slot lengths[b] - seq + i and sees
   // the slots from kv_start[b] (default 0) up to itself (and, with window >
@@ -73,6 +82,20 @@ TORCH_LIBRARY(kvcache, m) {
   m.def(
       "select_rows_(Tensor(a!) keys, Tensor(b!) values, Tensor lengths, "
       "Tensor index) -> Tensor");
+
+  // The lengths (batch,) with the given rows emptied: a new tensor, 0 where
+  // `rows` (a (batch,) bool mask, or int32/int64 row indices in [0, batch))
+  // selects, lengths elsewhere. Nothing else changes (slots past a length
+  // are never read). New lengths rather than an in-place write: see rows.h.
+  m.def("reset_rows(Tensor lengths, Tensor rows) -> Tensor");
+
+  // Raises (ValueError) if `lengths` cannot take an in-place write of one
+  // value per row (an expand()ed view, lazy conj/neg bits, an inference
+  // tensor outside inference mode); does nothing else. The Python API calls
+  // it before an op whose new lengths it copies into cache.length, so the
+  // copy cannot fail after the op ran (select_rows_ moves rows), eagerly
+  // and in traced code alike (the fake kernel runs the same check).
+  m.def("check_lengths_writable(Tensor lengths) -> ()");
 }
 
 namespace {
@@ -86,14 +109,18 @@ void register_entries(torch::Library& m) {
   m.impl("update_", &kvcache::ops::update_);
   m.impl("update_.Tensor", &kvcache::ops::update_tensor_);
   m.impl("append_", &kvcache::ops::append_);
+  m.impl("append_returning_", &kvcache::ops::append_returning_);
   m.impl("attend", &kvcache::ops::attend);
   m.impl("rollback", &kvcache::ops::rollback);
   m.impl("select_rows_", &kvcache::ops::select_rows_);
+  m.impl("reset_rows", &kvcache::ops::reset_rows);
+  m.impl("check_lengths_writable", &kvcache::ops::check_lengths_writable);
 }
 
 constexpr const char* kWriteOps[] = {"update_", "update_.Tensor", "append_",
-                                     "select_rows_"};
-constexpr const char* kReadOps[] = {"attend", "rollback"};
+                                     "append_returning_", "select_rows_"};
+constexpr const char* kReadOps[] = {"attend", "rollback", "reset_rows",
+                                    "check_lengths_writable"};
 
 }  // namespace
 

@@ -77,6 +77,10 @@ at::Tensor update_tensor_(at::Tensor& keys, at::Tensor& values,
                           const at::Tensor& start);
 void append_(at::Tensor& keys, at::Tensor& values, at::Tensor& lengths,
              const at::Tensor& keys_new, const at::Tensor& values_new);
+at::Tensor append_returning_(at::Tensor& keys, at::Tensor& values,
+                             const at::Tensor& lengths,
+                             const at::Tensor& keys_new,
+                             const at::Tensor& values_new);
 
 }  // namespace ops
 }  // namespace kvcache

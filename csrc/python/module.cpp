@@ -106,6 +106,16 @@ PYBIND11_MODULE(_C, m) {
           });
         },
         "Checks select_rows_'s arguments (not their values).");
+  m.def("check_lengths_writable",
+        [](const at::Tensor& lengths) {
+          translated([&] { d::check_lengths_writable(lengths); });
+        },
+        "Checks that lengths can take an in-place write of one value per row.");
+  m.def("check_reset_rows",
+        [](const at::Tensor& lengths, const at::Tensor& rows) {
+          translated([&] { d::check_reset_rows(lengths, rows, false); });
+        },
+        "Checks reset_rows's arguments (not the indices' values).");
 
   m.def(
       "build_info",

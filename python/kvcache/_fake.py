@@ -45,6 +45,12 @@ def _append_fake(keys, values, lengths, keys_new, values_new):
     _C.check_append(keys, values, lengths, keys_new, values_new)
 
 
+@torch.library.register_fake(_lib + "append_returning_")
+def _append_returning_fake(keys, values, lengths, keys_new, values_new):
+    _C.check_append(keys, values, lengths, keys_new, values_new)  # append_'s checks, naming lengths
+    return torch.empty_like(lengths, memory_format=torch.contiguous_format)
+
+
 @torch.library.register_fake(_lib + "attend")
 def _attend_fake(q, keys, values, lengths, *, kv_start=None, scale=None, window=0, softcap=0.0):
     _C.check_attend(q, keys, values, lengths, kv_start, scale, window, softcap)
@@ -63,3 +69,14 @@ def _rollback_fake(lengths, n, *, kv_start=None):
 def _select_rows_fake(keys, values, lengths, index):
     _C.check_select_rows(keys, values, lengths, index)
     return torch.empty_like(lengths, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake(_lib + "reset_rows")
+def _reset_rows_fake(lengths, rows):
+    _C.check_reset_rows(lengths, rows)
+    return torch.empty_like(lengths, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake(_lib + "check_lengths_writable")
+def _check_lengths_writable_fake(lengths):
+    _C.check_lengths_writable(lengths)

@@ -209,4 +209,9 @@ TEST_CASE("append_, attend, rollback and select_rows_ through the C++ API", "[ap
   REQUIRE(at::equal(cache.keys.select(0, 1).narrow(1, 0, 5), row0));
   REQUIRE_THROWS_AS(kvcache::select_rows_(cache.keys, cache.values, cache.length, at::tensor({0, 2})),
                     c10::ValueError);
+
+  REQUIRE(at::equal(kvcache::reset_rows(at::tensor({5, 3}, at::kInt), at::tensor({1}, at::kInt)),
+                    at::tensor({5, 0}, at::kInt)));
+  REQUIRE_THROWS_WITH(kvcache::reset_rows(cache.length, at::tensor({-1})),
+                      KV_CONTAINS("rows must be in [0, batch=2), got -1 at index 0"));
 }

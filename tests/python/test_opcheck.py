@@ -44,6 +44,15 @@ def test_opcheck_update_at(sample, positions):
     assert all(v == "SUCCESS" for v in result.values()), result
 
 
+@pytest.mark.parametrize("sample", list(update_samples()), ids=lambda s: f"{s[0].dtype}-{tuple(s[2].shape)}-{s[0].is_contiguous()}")
+@pytest.mark.parametrize("lengths", [torch.tensor(3), torch.tensor([0, 9], dtype=torch.int32)], ids=["scalar", "ragged"])
+def test_opcheck_append_returning(sample, lengths):
+    keys, values, kn, vn = sample
+    result = opcheck(torch.ops.kvcache.append_returning_.default, (keys, values, lengths, kn, vn),
+                     test_utils=ALL_CHECKS)
+    assert all(v == "SUCCESS" for v in result.values()), result
+
+
 @pytest.mark.parametrize("dtype", [None, torch.float32, torch.bfloat16, torch.int8])
 def test_opcheck_init(dtype):
     result = opcheck(

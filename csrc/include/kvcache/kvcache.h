@@ -105,6 +105,13 @@ KVCACHE_API at::Tensor select_rows_(at::Tensor& keys, at::Tensor& values,
                                     const at::Tensor& lengths,
                                     const at::Tensor& index);
 
+/// kvcache::reset_rows: returns lengths ((batch,)) with the rows selected by
+/// `rows` set to 0, a new tensor. rows: a (batch,) bool mask, or int32/int64
+/// indices in [0, batch). Throws on a bad rows (CPU indices too); on CUDA an
+/// index out of range makes every returned length -1 instead.
+KVCACHE_API at::Tensor reset_rows(const at::Tensor& lengths,
+                                  const at::Tensor& rows);
+
 // ---- The API of the original module, and what a decode loop needs ---------
 
 /// Creates a zero-filled KVLayerCache with length 0.
