@@ -87,6 +87,13 @@ at::Tensor select_rows_(at::Tensor& keys, at::Tensor& values,
   return op.call(keys, values, lengths, index);
 }
 
+at::Tensor reset_rows(const at::Tensor& lengths, const at::Tensor& rows) {
+  static const auto op =
+      typed<at::Tensor(const at::Tensor&, const at::Tensor&)>(
+          "kvcache::reset_rows", "");
+  return op.call(lengths, rows);
+}
+
 KVLayerCache init_kv_layer_cache(int64_t batch_size, int64_t num_kv_heads,
                                  int64_t head_dim, int64_t max_len,
                                  at::ScalarType dtype, c10::Device device) {
@@ -150,6 +157,14 @@ KVLayerCache select_rows_kv_layer_cache(const KVLayerCache& cache,
   check_length_writable(cache.length);
   KVLayerCache c = cache;
   c.length.copy_(select_rows_(c.keys, c.values, c.length, index));
+  return cache;
+}
+
+KVLayerCache reset_rows_kv_layer_cache(const KVLayerCache& cache,
+                                       const at::Tensor& rows) {
+  check_length_writable(cache.length);
+  at::Tensor length = cache.length;
+  length.copy_(reset_rows(cache.length, rows));
   return cache;
 }
 

@@ -77,6 +77,22 @@ void check_writable(const at::Tensor& t, const char* name) {
               " is an inference tensor)");
 }
 
+void check_written_rows(const at::Tensor& t, const char* name) {
+  check_writable(t, name);
+  bool overlapping = false;
+  for (int64_t k = 0; k < t.dim() && !overlapping; ++k) {
+    const auto stride = t.sym_stride(k).maybe_as_int();
+    if (stride && *stride == 0) {
+      const c10::SymInt& size = t.sym_size(k);
+      overlapping = size.maybe_as_int() ? *size.maybe_as_int() > 1
+                                        : size.has_hint() && holds(size.sym_gt(1));
+    }
+  }
+  TORCH_CHECK_VALUE(!overlapping && !self_overlaps(t), name,
+                    " must not have internally overlapping memory (it is "
+                    "written in place, one entry per row)");
+}
+
 void check_rank(const at::Tensor& t, int64_t rank, const char* name,
                 const char* dims) {
   TORCH_CHECK_VALUE(t.dim() == rank, name, " must be a ", rank,

@@ -53,6 +53,12 @@ void check_dense(const at::Tensor& t, const char* name);
 // inference tensor outside inference mode (as PyTorch's in-place ops).
 void check_writable(const at::Tensor& t, const char* name);
 
+// check_writable, plus one element per entry: a per-row integer tensor
+// (lengths) that is written in place, by an op or by the caller's copy_ of
+// an op's result. An expand()ed view is refused also while tracing with
+// symbolic sizes (where the byte-level overlap test cannot decide).
+void check_written_rows(const at::Tensor& t, const char* name);
+
 // `t` has `rank` dimensions, described as `dims` in the message.
 void check_rank(const at::Tensor& t, int64_t rank, const char* name,
                 const char* dims);

@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <limits>
 #include <string>
 
 #include "../core/checks.h"
@@ -76,15 +77,35 @@ AttendRows check_attend(const at::Tensor& q, const at::Tensor& keys,
   if (kv_start.has_value()) {
     check_row_ints(*kv_start, "kv_start", batch, dev);
   }
+  // The kernels compute in float32: the value they use is the float32 one.
+  // A double that is finite but overflows float32 (1e39) or underflows to 0
+  // (1e-46: a softcap that silently became "no softcap") is refused too.
   if (scale.has_value()) {
-    TORCH_CHECK_VALUE(std::isfinite(*scale) && *scale > 0.0,
-                      "scale must be a finite number > 0, got ", *scale);
+    const float f = static_cast<float>(*scale);
+    TORCH_CHECK_VALUE(std::isfinite(*scale) && std::isfinite(f) && f > 0.0f,
+                      "scale must be a finite number > 0 in float32 range (",
+                      std::numeric_limits<float>::denorm_min(), " to ",
+                      std::numeric_limits<float>::max(), "), got ", *scale);
   }
   TORCH_CHECK_VALUE(window >= 0, "window must be >= 0 (0: no window), got ",
                     window);
-  TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0.0,
-                    "softcap must be a finite number >= 0 (0: no cap), got ",
-                    softcap);
+  const float cap32 = static_cast<float>(softcap);
+  TORCH_CHECK_VALUE(softcap == 0.0 || (std::isfinite(softcap) &&
+                                       std::isfinite(cap32) && cap32 > 0.0f),
+                    "softcap must be 0 (no cap) or a finite number > 0 in "
+                    "float32 range (",
+                    std::numeric_limits<float>::denorm_min(), " to ",
+                    std::numeric_limits<float>::max(), "), got ", softcap);
+  if (softcap > 0.0) {
+    // The CPU kernel folds scale / softcap into the queries (float32): it
+    // must not overflow (a softcap below about 1e-39 with a usual scale).
+    const int64_t d = shown(head_dim);
+    const double s = scale.value_or(d > 0 ? 1.0 / std::sqrt(double(d)) : 1.0);
+    TORCH_CHECK_VALUE(std::isfinite(static_cast<float>(s / softcap)),
+                      "softcap=", softcap, " is too small for scale=", s,
+                      ": scale / softcap must fit in float32 (the kernels "
+                      "compute in float32)");
+  }
 
   AttendRows rows;
   if (!values_known || !dev.is_cpu()) {

@@ -41,6 +41,19 @@
 //   rollback  lengths - n as a new tensor, refusing to go below kv_start.
 //   select_rows_  row b of keys and values takes the filled slots of row
 //       index[b], in place; returns lengths[index].
+//   append_returning_  append_ that returns the new lengths (a new tensor of
+//       lengths' dtype and shape) instead of writing them, with append_'s
+//       checks and messages: what traced code calls instead of append_ (the
+//       Python API copies the result into lengths; see rows.h for the
+//       Inductor bug an in-place length write meets).
+//   reset_rows  the lengths with the given rows emptied (rows: a (batch,)
+//       bool mask or int32/int64 indices in [0, batch)), a new tensor.
+//   check_lengths_writable  raises (ValueError) if lengths cannot take an
+//       in-place write of one value per row (an expand()ed view, lazy
+//       conj/neg bits, an inference tensor outside inference mode); the
+//       Python API calls it before an op whose new lengths it copies into
+//       cache.length, so the copy cannot fail after the op ran, eagerly and
+//       traced alike.
 //
 // Adding an operator: a line here; csrc/ops/<op>.{h,cpp} (its checks with
 // trace_check_<id>, and the entry point); csrc/cpu/<op>.cpp and
@@ -70,7 +83,14 @@
     "rollback(Tensor lengths, Tensor n, *, Tensor? kv_start=None) -> Tensor") \
   X(select_rows_, "select_rows_", Write, select_rows_stub,                    \
     "select_rows_(Tensor(a!) keys, Tensor(b!) values, Tensor lengths, "       \
-    "Tensor index) -> Tensor")
+    "Tensor index) -> Tensor")                                                \
+  X(append_returning_, "append_returning_", Write, update_stub,               \
+    "append_returning_(Tensor(a!) keys, Tensor(b!) values, Tensor lengths, "  \
+    "Tensor keys_new, Tensor values_new) -> Tensor")                          \
+  X(reset_rows, "reset_rows", Read, reset_rows_stub,                          \
+    "reset_rows(Tensor lengths, Tensor rows) -> Tensor")                      \
+  X(check_lengths_writable, "check_lengths_writable", Read, NoStub,           \
+    "check_lengths_writable(Tensor lengths) -> ()")
 
 #include "../core/device_stub.h"
 

@@ -36,10 +36,6 @@ def _update_tensor(keys, values, keys_new, values_new, start):
     return keys.new_empty(start.shape, dtype=torch.int32)
 
 
-def _append(keys, values, lengths, keys_new, values_new):
-    return None
-
-
 def _attend(q, keys, values, lengths, *, kv_start=None, scale=None, window=0, softcap=0.0):
     b, h, s, d = q.shape
     # (batch, seq, heads, head_dim) memory, as the kernels allocate it.
@@ -54,15 +50,22 @@ def _select_rows(keys, values, lengths, index):
     return _new_lengths(lengths)
 
 
+def _none(*args, **kwargs):
+    return None
+
+
 # Outputs of each operator, by the id in csrc/ops/operators.h.
 _OUTPUTS = {
     "init_layer_cache": _init_layer_cache,
     "update_": _update,
     "update_tensor_": _update_tensor,
-    "append_": _append,
+    "append_": _none,
     "attend": _attend,
     "rollback": _new_lengths,
     "select_rows_": _select_rows,
+    "append_returning_": lambda keys, values, lengths, keys_new, values_new: _new_lengths(lengths),
+    "reset_rows": _new_lengths,
+    "check_lengths_writable": _none,
 }
 
 

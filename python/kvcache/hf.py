@@ -134,13 +134,12 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
 
 from . import cache as _cache  # loads the operators (through the package __init__)
 from .cache import (  # the operator handles and argument checks of the Python API
-    _append_op,
     _as_int,
     _attend_op,
     _init_op,
+    _reset_rows_op,
     _rollback_op,
     _select_rows_op,
-    _update_tensor_op,
 )
 
 # Attention-free layers: DummyLayer in transformers 5.24; 5.18 used LinearAttentionLayer for them.
@@ -324,14 +323,8 @@ class KVCacheLayer(CacheLayerMixin):
                 f"layer {self.layer_idx}: the cache holds a batch of {self.keys.shape[0]} rows but the model passed "
                 f"{key_states.shape[0]} (nothing was written); use batch_repeat_interleave/batch_select_indices "
                 "or a new cache")
-        if _compiling():
-            # As kvcache.append_kv_layer_cache: traced, write with the
-            # functional update_.Tensor and copy the new lengths back (Inductor
-            # can move a read of a graph input past a custom op that mutates
-            # it in place; docs/design.md).
-            self.lengths.copy_(_update_tensor_op(self.keys, self.values, key_states, value_states, self.lengths))
-        else:
-            _append_op(self.keys, self.values, self.lengths, key_states, value_states)
+        # append_ eagerly, its traced form under compile/export (cache._append).
+        _cache._append(self.keys, self.values, self.lengths, key_states, value_states)
         return self.keys, self.values
 
     # -- sizes ------------------------------------------------------------------
@@ -653,10 +646,22 @@ class KVCache(Cache):
                 layer.rollback(n)
 
     def reset_rows(self, rows: torch.Tensor) -> None:
-        """Empties the given rows of every kvcache layer in O(1) (continuous batching)."""
-        for layer in self.layers:
-            if isinstance(layer, KVCacheLayer):
-                layer.reset_rows(rows)
+        """Empties the given rows of every kvcache layer in O(1) (continuous batching).
+
+        Raises:
+            ValueError, TypeError: As :func:`kvcache.reset_kv_layer_cache_rows`; every layer's new
+                lengths are computed (and ``rows`` checked) before any layer changes, so a bad
+                ``rows`` leaves every layer as it was.
+        """
+        layers = [la for la in self.layers if isinstance(la, KVCacheLayer) and la.is_initialized]
+        if not isinstance(rows, torch.Tensor):
+            raise TypeError(
+                f"rows must be a bool mask or an int32 or int64 tensor of row indices, got {type(rows).__name__}")
+        for layer in layers:
+            _cache._check_length_writable(layer.lengths)
+        new = [_reset_rows_op(layer.lengths, rows) for layer in layers]
+        for layer, lengths in zip(layers, new):
+            layer.lengths.copy_(lengths)
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         """Slots per row of ``layer_idx`` (the name transformers used before 5.16 for :meth:`get_max_length`)."""

@@ -209,6 +209,11 @@ TEST_CASE("append_, attend, rollback and select_rows_ through the C++ API", "[ap
   REQUIRE(at::equal(cache.keys.select(0, 1).narrow(1, 0, 5), row0));
   REQUIRE_THROWS_AS(kvcache::select_rows_(cache.keys, cache.values, cache.length, at::tensor({0, 2})),
                     c10::ValueError);
+
+  REQUIRE(at::equal(kvcache::reset_rows(at::tensor({5, 3}, at::kInt), at::tensor({1}, at::kInt)),
+                    at::tensor({5, 0}, at::kInt)));
+  REQUIRE_THROWS_WITH(kvcache::reset_rows(cache.length, at::tensor({-1})),
+                      KV_CONTAINS("rows must be in [0, batch=2), got -1 at index 0"));
 }
 
 TEST_CASE("rollback_kv_layer_cache and select_rows_kv_layer_cache work in place", "[api]") {
@@ -255,4 +260,18 @@ TEST_CASE("append_kv_layer_cache returns the cache it advanced", "[api]") {
   auto out = kvcache::append_kv_layer_cache(cache, at::randn({1, 1, 3, 4}), at::randn({1, 1, 3, 4}));
   REQUIRE(out.length.data_ptr() == cache.length.data_ptr());
   REQUIRE(cache.length.item<int>() == 3);
+}
+
+TEST_CASE("reset_rows_kv_layer_cache empties the selected rows in place", "[api]") {
+  auto cache = kvcache::init_kv_layer_cache(4, 1, 4, 8, at::kFloat);
+  cache.length = at::tensor({3, 4, 5, 6}, at::kInt);
+  const void* address = cache.length.data_ptr();
+  kvcache::reset_rows_kv_layer_cache(cache, at::tensor({true, false, true, false}));
+  REQUIRE(cache.length.data_ptr() == address);
+  REQUIRE(at::equal(cache.length, at::tensor({0, 4, 0, 6}, at::kInt)));
+  kvcache::reset_rows_kv_layer_cache(cache, at::tensor({3}, at::kLong));
+  REQUIRE(at::equal(cache.length, at::tensor({0, 4, 0, 0}, at::kInt)));
+  REQUIRE_THROWS_AS(kvcache::reset_rows_kv_layer_cache(cache, at::tensor({4}, at::kLong)), c10::ValueError);
+  REQUIRE_THROWS_AS(kvcache::reset_rows_kv_layer_cache(cache, at::tensor({true})), c10::ValueError);
+  REQUIRE(at::equal(cache.length, at::tensor({0, 4, 0, 0}, at::kInt)));
 }

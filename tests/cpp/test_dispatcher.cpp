@@ -41,6 +41,11 @@ TEST_CASE("schemas are registered with mutation annotations", "[dispatcher]") {
   REQUIRE(schema_of("kvcache::select_rows_") ==
           "kvcache::select_rows_(Tensor(a!) keys, Tensor(b!) values, Tensor lengths, "
           "Tensor index) -> Tensor");
+  REQUIRE(schema_of("kvcache::append_returning_") ==
+          "kvcache::append_returning_(Tensor(a!) keys, Tensor(b!) values, Tensor lengths, "
+          "Tensor keys_new, Tensor values_new) -> Tensor");
+  REQUIRE(schema_of("kvcache::reset_rows") ==
+          "kvcache::reset_rows(Tensor lengths, Tensor rows) -> Tensor");
   REQUIRE(schema_of("kvcache::init_layer_cache") ==
           "kvcache::init_layer_cache(SymInt batch_size, SymInt num_kv_heads, SymInt head_dim, "
           "SymInt max_len, *, ScalarType? dtype=None, Device? device=None) -> "

@@ -375,9 +375,9 @@ def test_compiled_decode_one_graph_kvcache_ops_on_buffers():
     model.generation_config.compile_config = None
 
     code = "\n".join(codes)
-    # traced, a layer writes with update_.Tensor at its lengths (the new
-    # lengths are copied back: kvcache.hf.KVCacheLayer.update)
-    writes = re.findall(r"torch\.ops\.kvcache\.update_\.Tensor\(([^,]+), ([^,]+),", code)
+    # traced, a layer writes with append_returning_ at its lengths (the new
+    # lengths are copied back: kvcache.cache._append)
+    writes = re.findall(r"torch\.ops\.kvcache\.append_returning_\.default\(([^,]+), ([^,]+),", code)
     attends = re.findall(r"torch\.ops\.kvcache\.attend\.default\([^,]+, ([^,]+), ([^,]+), [^,]+,", code)
     assert len(writes) == len(attends) == COMMON["num_hidden_layers"]
     # the ops write and read the cache's own buffers (graph inputs), not copies
@@ -480,6 +480,28 @@ def test_per_row_rollback_and_reset_rows():
     with pytest.raises(ValueError):
         cache.rollback(torch.tensor([7, 0, 0]))
     assert all(l.lengths.tolist() == [6, 0, 1] for l in cache.layers)
+
+
+@pytest.mark.parametrize(
+    "rows,exc",
+    [(torch.tensor([True]), ValueError), (torch.tensor([-1]), ValueError), (torch.tensor([0, 9]), ValueError),
+     (torch.tensor([0], dtype=torch.int16), TypeError), ([0], TypeError)],
+    ids=["short-mask", "negative", "out-of-range", "int16", "list"],
+)
+def test_reset_rows_bad_rows_leave_every_layer_unchanged(rows, exc):
+    """issue 17: layer 0 was reset before layer 1 refused the rows."""
+    model = model_for("llama")
+    cache = kh.KVCache(model.config, 16, batch_size=3, dtype=torch.float64, device="cpu")
+    layers = [la for la in cache.layers if isinstance(la, kh.KVCacheLayer)]
+    assert len(layers) >= 2
+    for layer in layers:
+        _fill(layer, 6, 0)
+    cache.rollback(torch.tensor([0, 2, 5]))
+    with pytest.raises(exc, match="rows"):
+        cache.reset_rows(rows)
+    assert all(la.lengths.tolist() == [6, 4, 1] for la in layers)
+    cache.reset_rows(torch.tensor([2, 0], dtype=torch.int32))  # int32 indices accepted
+    assert all(la.lengths.tolist() == [0, 4, 0] for la in layers)
 
 
 def _ref_rows(keys, lengths):

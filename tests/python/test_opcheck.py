@@ -48,6 +48,15 @@ def test_opcheck_update_at(sample, positions):
     assert all(v == "SUCCESS" for v in result.values()), result
 
 
+@pytest.mark.parametrize("sample", list(update_samples()), ids=lambda s: f"{s[0].dtype}-{tuple(s[2].shape)}-{s[0].is_contiguous()}")
+@pytest.mark.parametrize("lengths", [torch.tensor(3), torch.tensor([0, 9], dtype=torch.int32)], ids=["scalar", "ragged"])
+def test_opcheck_append_returning(sample, lengths):
+    keys, values, kn, vn = sample
+    result = opcheck(torch.ops.kvcache.append_returning_.default, (keys, values, lengths, kn, vn),
+                     test_utils=ALL_CHECKS)
+    assert all(v == "SUCCESS" for v in result.values()), result
+
+
 @pytest.mark.parametrize("dtype", [None, torch.float32, torch.bfloat16, torch.int8])
 def test_opcheck_init(dtype):
     result = opcheck(
@@ -107,6 +116,10 @@ SAMPLES = {
     "attend": _attend_samples,
     "rollback": _rollback_samples,
     "select_rows_": _select_rows_samples,
+    "append_returning_": _append_samples,
+    "reset_rows": lambda: [((torch.tensor([3, 4, 5], dtype=torch.int32), r), {})
+                           for r in (torch.tensor([True, False, True]), torch.tensor([2, 0]), torch.tensor(1))],
+    "check_lengths_writable": lambda: [((torch.tensor([3, 4], dtype=torch.int32),), {}), ((torch.tensor(5),), {})],
 }
 OPERATORS = [op["name"] for op in kvcache._C.operators]
 

@@ -263,7 +263,7 @@ def test_reset_rows_errors():
     shared = kvcache.KVLayerCache(cache.keys, cache.values, torch.tensor(3))
     with pytest.raises(ValueError, match=r"needs a per-row length of shape \(batch,\)"):
         kvcache.reset_kv_layer_cache_rows(shared, torch.tensor([0]))
-    with pytest.raises(TypeError, match="rows must be a bool mask or an integer tensor"):
+    with pytest.raises(TypeError, match="rows must be a bool mask or an int32 or int64 tensor of row indices"):
         kvcache.reset_kv_layer_cache_rows(cache, torch.tensor([0.0]))
 
 

@@ -105,6 +105,13 @@ KVCACHE_API at::Tensor select_rows_(at::Tensor& keys, at::Tensor& values,
                                     const at::Tensor& lengths,
                                     const at::Tensor& index);
 
+/// kvcache::reset_rows: returns lengths ((batch,)) with the rows selected by
+/// `rows` set to 0, a new tensor. rows: a (batch,) bool mask, or int32/int64
+/// indices in [0, batch). Throws on a bad rows (CPU indices too); on CUDA an
+/// index out of range makes every returned length -1 instead.
+KVCACHE_API at::Tensor reset_rows(const at::Tensor& lengths,
+                                  const at::Tensor& rows);
+
 // ---- The API of the original module, and what a decode loop needs ---------
 
 /// Creates a zero-filled KVLayerCache with length 0.
@@ -152,6 +159,12 @@ KVCACHE_API KVLayerCache rollback_kv_layer_cache(
 /// int32/int64: permutations, repeats, subsets), in place. Returns `cache`.
 KVCACHE_API KVLayerCache select_rows_kv_layer_cache(const KVLayerCache& cache,
                                                     const at::Tensor& index);
+
+/// Empties the rows `rows` selects (a (batch,) bool mask, or int32/int64
+/// indices in [0, batch)): their cache.length becomes 0, in place, O(1) per
+/// row (nothing is zeroed). cache.length must be (batch,). Returns `cache`.
+KVCACHE_API KVLayerCache reset_rows_kv_layer_cache(const KVLayerCache& cache,
+                                                   const at::Tensor& rows);
 
 /// Attention of q over the filled slots of `cache` (see attend above).
 KVCACHE_API at::Tensor attend(const at::Tensor& q, const KVLayerCache& cache,
