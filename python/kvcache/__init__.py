@@ -20,8 +20,10 @@ from .cache import (  # noqa: E402
     init_decoder_kv_caches_from_config,
     init_kv_layer_cache,
     reset_kv_layer_cache_rows,
+    reset_rows_kv_layer_cache,
     rollback_kv_layer_cache,
     select_kv_layer_cache_rows,
+    select_rows_kv_layer_cache,
     update_kv_layer_cache,
 )
 from .config import TransformerConfig  # noqa: E402
@@ -50,9 +52,9 @@ __all__ = [
     "init_decoder_kv_caches_from_config",
     "init_kv_layer_cache",
     "library_path",
-    "reset_kv_layer_cache_rows",
+    "reset_rows_kv_layer_cache",
     "rollback_kv_layer_cache",
-    "select_kv_layer_cache_rows",
+    "select_rows_kv_layer_cache",
     "update_kv_layer_cache",
 ]
 # The build's version with its backend (0.1.0+cpu, 0.1.0+cu130), recorded

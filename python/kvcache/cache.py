@@ -10,6 +10,7 @@ traffic, never O(max_len).
 
 
 import operator
+import warnings
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
@@ -412,7 +413,7 @@ def rollback_kv_layer_cache(
     return cache
 
 
-def select_kv_layer_cache_rows(cache: KVLayerCache, index: torch.Tensor) -> KVLayerCache:
+def select_rows_kv_layer_cache(cache: KVLayerCache, index: torch.Tensor) -> KVLayerCache:
     """Row ``b`` takes the contents of row ``index[b]``, for every row, in place.
 
     Beam-search reordering, forking one prompt into several samples, or
@@ -443,7 +444,7 @@ def select_kv_layer_cache_rows(cache: KVLayerCache, index: torch.Tensor) -> KVLa
     return cache
 
 
-def reset_kv_layer_cache_rows(cache: KVLayerCache, rows: torch.Tensor) -> KVLayerCache:
+def reset_rows_kv_layer_cache(cache: KVLayerCache, rows: torch.Tensor) -> KVLayerCache:
     """Empties the given rows (their ``length`` becomes 0), in place, in O(1) per row.
 
     Nothing is zeroed: slots past a row's length are never read, and the next
@@ -509,3 +510,19 @@ def _as_int(name: str, value) -> int:
         return operator.index(value)
     except TypeError:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+
+
+# Names of the previous release, kept for one release: every operation beyond the original
+# module is now <operation>_kv_layer_cache, as in the C++ API.
+def select_kv_layer_cache_rows(cache: KVLayerCache, index: torch.Tensor) -> KVLayerCache:
+    """Deprecated alias of :func:`select_rows_kv_layer_cache` (removed in the next release)."""
+    warnings.warn("kvcache.select_kv_layer_cache_rows is deprecated: use kvcache.select_rows_kv_layer_cache",
+                  DeprecationWarning, stacklevel=2)
+    return select_rows_kv_layer_cache(cache, index)
+
+
+def reset_kv_layer_cache_rows(cache: KVLayerCache, rows: torch.Tensor) -> KVLayerCache:
+    """Deprecated alias of :func:`reset_rows_kv_layer_cache` (removed in the next release)."""
+    warnings.warn("kvcache.reset_kv_layer_cache_rows is deprecated: use kvcache.reset_rows_kv_layer_cache",
+                  DeprecationWarning, stacklevel=2)
+    return reset_rows_kv_layer_cache(cache, rows)

@@ -266,12 +266,12 @@ TEST_CASE("reset_rows_kv_layer_cache empties the selected rows in place", "[api]
   auto cache = kvcache::init_kv_layer_cache(4, 1, 4, 8, at::kFloat);
   cache.length = at::tensor({3, 4, 5, 6}, at::kInt);
   const void* address = cache.length.data_ptr();
-  kvcache::reset_rows_kv_layer_cache(cache, at::tensor({true, false, true, false}));
+  kvcache::reset_rows_kv_layer_cache(cache, at::tensor({1, 0, 1, 0}).to(at::kBool));
   REQUIRE(cache.length.data_ptr() == address);
   REQUIRE(at::equal(cache.length, at::tensor({0, 4, 0, 6}, at::kInt)));
   kvcache::reset_rows_kv_layer_cache(cache, at::tensor({3}, at::kLong));
   REQUIRE(at::equal(cache.length, at::tensor({0, 4, 0, 0}, at::kInt)));
   REQUIRE_THROWS_AS(kvcache::reset_rows_kv_layer_cache(cache, at::tensor({4}, at::kLong)), c10::ValueError);
-  REQUIRE_THROWS_AS(kvcache::reset_rows_kv_layer_cache(cache, at::tensor({true})), c10::ValueError);
+  REQUIRE_THROWS_AS(kvcache::reset_rows_kv_layer_cache(cache, at::tensor({1}).to(at::kBool)), c10::ValueError);
   REQUIRE(at::equal(cache.length, at::tensor({0, 4, 0, 0}, at::kInt)));
 }

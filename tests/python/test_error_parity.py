@@ -118,11 +118,11 @@ def w_rollback_ks(k, v, length, n, ks):
 
 
 def w_select(k, v, length, index):
-    return kvcache.select_kv_layer_cache_rows(kvcache.KVLayerCache(k, v, length), index).length + 0
+    return kvcache.select_rows_kv_layer_cache(kvcache.KVLayerCache(k, v, length), index).length + 0
 
 
 def w_reset(k, v, length, rows):
-    return kvcache.reset_kv_layer_cache_rows(kvcache.KVLayerCache(k, v, length), rows).length + 0
+    return kvcache.reset_rows_kv_layer_cache(kvcache.KVLayerCache(k, v, length), rows).length + 0
 
 
 def expanded_length(dtype=torch.int64, value=1):
@@ -269,22 +269,22 @@ CASES = [
          lambda: (*cache(), torch.tensor([3, 4]), torch.tensor([1, 5])), runtime=True),
     Case("rollback_kv_layer_cache/0d-lengths-kv_start-over", w_rollback_ks,
          lambda: (*cache(), torch.tensor(4), torch.tensor(2), torch.tensor([0, 3])), runtime=True),
-    Case("select_kv_layer_cache_rows/lengths-expanded", w_select,
+    Case("select_rows_kv_layer_cache/lengths-expanded", w_select,
          lambda: (*cache(), expanded_length(), torch.tensor([1, 0]))),
-    Case("select_kv_layer_cache_rows/index-float", w_select,
+    Case("select_rows_kv_layer_cache/index-float", w_select,
          lambda: (*cache(), torch.tensor([1, 1]), torch.tensor([0.0, 1.0]))),
-    Case("select_kv_layer_cache_rows/index-out-of-range", w_select,
+    Case("select_rows_kv_layer_cache/index-out-of-range", w_select,
          lambda: (*cache(), torch.tensor([1, 1]), torch.tensor([0, 2])), runtime=True),
-    Case("reset_kv_layer_cache_rows/lengths-expanded", w_reset,
+    Case("reset_rows_kv_layer_cache/lengths-expanded", w_reset,
          lambda: (*cache(), expanded_length(), torch.tensor([0]))),
-    Case("reset_kv_layer_cache_rows/lengths-0d", w_reset, lambda: (*cache(), torch.tensor(3), torch.tensor([0]))),
-    Case("reset_kv_layer_cache_rows/mask-short", w_reset,
+    Case("reset_rows_kv_layer_cache/lengths-0d", w_reset, lambda: (*cache(), torch.tensor(3), torch.tensor([0]))),
+    Case("reset_rows_kv_layer_cache/mask-short", w_reset,
          lambda: (*cache(), torch.tensor([3, 4]), torch.tensor([True]))),
-    Case("reset_kv_layer_cache_rows/rows-int16", w_reset,
+    Case("reset_rows_kv_layer_cache/rows-int16", w_reset,
          lambda: (*cache(), torch.tensor([3, 4]), torch.tensor([0], dtype=torch.int16))),
-    Case("reset_kv_layer_cache_rows/rows-negative", w_reset,
+    Case("reset_rows_kv_layer_cache/rows-negative", w_reset,
          lambda: (*cache(), torch.tensor([3, 4]), torch.tensor([-1])), runtime=True),
-    Case("reset_kv_layer_cache_rows/rows-out-of-range", w_reset,
+    Case("reset_rows_kv_layer_cache/rows-out-of-range", w_reset,
          lambda: (*cache(), torch.tensor([3, 4]), torch.tensor([0, 9])), runtime=True),
     # --- attend ---
     Case("attend/q-3d", att(), lambda: (torch.randn(B, H, D), *cache(), torch.tensor(3))),
@@ -421,7 +421,7 @@ def test_table_covers_every_operator():
     names = {c.id.split("/")[0] for c in CASES}
     assert names == {"update_", "update_.Tensor", "append_", "append_returning_", "attend", "rollback_",
                      "select_rows_", "reset_rows", "init_layer_cache", "append_kv_layer_cache",
-                     "rollback_kv_layer_cache", "select_kv_layer_cache_rows", "reset_kv_layer_cache_rows"}
+                     "rollback_kv_layer_cache", "select_rows_kv_layer_cache", "reset_rows_kv_layer_cache"}
     assert all(isinstance(run_eager(c), (ValueError, TypeError)) for c in CASES if "requires-grad" not in c.id)
 
 

@@ -251,7 +251,7 @@ def test_deepcopy_registers_the_copy():
         model(input_ids=ids, attention_mask=mask, **{kh.CACHE_ARG: cache})
     twin = copy.deepcopy(cache)
     for a, b in zip(cache.layers, twin.layers):
-        assert kh._layer_of(b.keys, b.values) is b and kh._layer_of(a.keys, a.values) is a
+        assert kh._registry.layer_of(b.keys, b.values) is b and kh._registry.layer_of(a.keys, a.values) is a
         assert b.keys.data_ptr() != a.keys.data_ptr() and torch.equal(a.keys, b.keys)
         assert torch.equal(a.lengths, b.lengths)
     twin.crop(-2)  # the copy moves alone
@@ -556,7 +556,7 @@ def test_batch_repeat_interleave_and_growing_selection():
     assert torch.equal(layer.lengths, lengths[idx])
     for got, want in zip(_ref_rows(layer.keys, layer.lengths), _ref_rows(keys[idx], lengths[idx])):
         assert torch.equal(got, want)
-    assert kh._layer_of(layer.keys, layer.values) is layer  # the new buffers are registered
+    assert kh._registry.layer_of(layer.keys, layer.values) is layer  # the new buffers are registered
     layer.batch_select_indices(torch.tensor([5, 0, 0, 1, 2, 3, 4]))  # 7 > 6 rows: grows again
     assert layer.keys.shape[0] == 7 and layer.lengths.tolist() == [2, 4, 4, 4, 4, 2, 2]
 
@@ -607,15 +607,15 @@ def test_attention_over_foreign_keys_shifts_offsets():
 
 def test_registry_is_weak_and_checks_identity():
     layer = _layer_cache()
-    assert kh._layer_of(layer.keys, layer.values) is layer
-    assert kh._layer_of(layer.keys, layer.values.clone()) is None  # values must be the layer's too
-    assert kh._layer_of(layer.keys.clone(), layer.values) is None
+    assert kh._registry.layer_of(layer.keys, layer.values) is layer
+    assert kh._registry.layer_of(layer.keys, layer.values.clone()) is None  # values must be the layer's too
+    assert kh._registry.layer_of(layer.keys.clone(), layer.values) is None
     key = id(layer.keys)
     del layer
     import gc
 
     gc.collect()
-    assert key not in kh._LAYERS
+    assert key not in kh._registry._LAYERS
 
 
 # ------------------------------------------------------------------- errors

@@ -3,7 +3,7 @@
   1. reset trusted `rows`: a 1-entry mask broadcast to every row, -1 wrapped to
      the last row, an index past the batch raised after row 0 was reset; int32
      indices refused; through kvcache.hf layer 0 was reset before layer 1 raised
-  2. select_kv_layer_cache_rows (and rollback) on an expand()ed length moved the
+  2. select_rows_kv_layer_cache (and rollback) on an expand()ed length moved the
      rows, then copy_ raised: every length write is checked before the op runs
   3. traced append raised other errors than eager (those cases are in
      test_error_parity.py; here: the compiled step still matches eager)
@@ -73,7 +73,7 @@ def test_reset_rows_matches_reference(rows, length_dtype):
     keys, values = cache.keys.clone(), cache.values.clone()
     expect = reference_reset(cache.length, rows)
     address = cache.length.data_ptr()
-    assert kvcache.reset_kv_layer_cache_rows(cache, rows) is cache
+    assert kvcache.reset_rows_kv_layer_cache(cache, rows) is cache
     assert torch.equal(cache.length, expect) and cache.length.dtype == length_dtype
     assert cache.length.data_ptr() == address
     assert torch.equal(cache.keys, keys) and torch.equal(cache.values, values)
@@ -101,12 +101,12 @@ BAD_ROWS = [
 def test_reset_rows_refuses_bad_rows_before_any_change(rows, exc, msg, compiled):
     cache = ragged()
     snap = snapshot(cache)
-    fn = kvcache.reset_kv_layer_cache_rows
+    fn = kvcache.reset_rows_kv_layer_cache
     if compiled:
         if not isinstance(rows, torch.Tensor) or rows.device.type == "meta":
             pytest.skip("a list / meta tensor is not a compiled-code input")
         torch._dynamo.reset()
-        fn = torch.compile(lambda c, r: kvcache.reset_kv_layer_cache_rows(c, r).length + 0, fullgraph=True)
+        fn = torch.compile(lambda c, r: kvcache.reset_rows_kv_layer_cache(c, r).length + 0, fullgraph=True)
     with pytest.raises(Exception) as info:
         fn(cache, rows)
     err = info.value
@@ -124,7 +124,7 @@ def test_reset_rows_shared_length_refused():
     cache = ragged()
     shared = kvcache.KVLayerCache(cache.keys, cache.values, torch.tensor(3, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"needs a per-row length of shape \(batch,\).*expand\(batch\)\.clone\(\)"):
-        kvcache.reset_kv_layer_cache_rows(shared, torch.tensor([0]))
+        kvcache.reset_rows_kv_layer_cache(shared, torch.tensor([0]))
     assert shared.length.item() == 3
 
 
@@ -145,7 +145,7 @@ def test_compiled_reset_matches_eager_without_recompiles():
     torch._dynamo.reset()
 
     def step(cache, rows, k, v):
-        kvcache.reset_kv_layer_cache_rows(cache, rows)
+        kvcache.reset_rows_kv_layer_cache(cache, rows)
         kvcache.append_kv_layer_cache(cache, k, v)
         return cache.length + 0
 
@@ -180,10 +180,10 @@ OVERLAP = r"^lengths must not have internally overlapping memory \(it is written
 @pytest.mark.parametrize(
     "write",
     [
-        lambda c: kvcache.select_kv_layer_cache_rows(c, torch.tensor([1, 0, 3, 2])),
+        lambda c: kvcache.select_rows_kv_layer_cache(c, torch.tensor([1, 0, 3, 2])),
         lambda c: kvcache.rollback_kv_layer_cache(c, 1),
         lambda c: kvcache.rollback_kv_layer_cache(c, torch.tensor([1, 0, 0, 1])),
-        lambda c: kvcache.reset_kv_layer_cache_rows(c, torch.tensor([0])),
+        lambda c: kvcache.reset_rows_kv_layer_cache(c, torch.tensor([0])),
         lambda c: kvcache.append_kv_layer_cache(c, torch.ones(B, H, 1, D), torch.ones(B, H, 1, D)),
     ],
     ids=["select", "rollback", "rollback-per-row", "reset", "append"],
