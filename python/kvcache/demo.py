@@ -56,7 +56,8 @@ def progress(total: int, desc: str, disable: bool):
         from tqdm import tqdm
     except ImportError:  # tqdm is optional
         return None
-    return tqdm(total=total, desc=desc, unit="tok", leave=False, disable=disable, file=sys.stderr)
+    # disable=None: no bar when stderr is not a terminal (CI logs, pipes)
+    return tqdm(total=total, desc=desc, unit="tok", leave=False, disable=True if disable else None, file=sys.stderr)
 
 
 def sync(device: torch.device) -> None:
