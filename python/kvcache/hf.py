@@ -491,6 +491,28 @@ def _layer_types(config) -> "tuple[list[str], list[Optional[int]]]":
     return types, windows
 
 
+def _tp_size(*configs) -> int:
+    """The tensor-parallel degree transformers sharded the model with (1 if none).
+
+    ``from_pretrained(..., tp_plan="auto")`` / ``distributed_config=`` stores its
+    ``DistributedConfig`` on ``model.config``: the attention projections are
+    split by heads, so each rank's layers see ``num_key_value_heads / tp_size``.
+    """
+    for c in configs:
+        tp = getattr(getattr(c, "distributed_config", None), "tp_size", None)
+        if tp is not None:
+            return int(tp)
+    return 1
+
+
+def _local_heads(heads: int, tp: int) -> int:
+    if heads % tp:
+        raise ValueError(
+            f"num_key_value_heads={heads} does not split across tp_size={tp} tensor-parallel ranks; "
+            "build the KVCache without batch_size/dtype/device so it sizes from the model's key states")
+    return heads // tp
+
+
 def _head_shapes(config, n: int) -> "tuple[list[int], list[int]]":
     try:
         from transformers.configuration_utils import get_head_shapes
@@ -519,7 +541,10 @@ class KVCache(Cache):
         batch_size, dtype, device: When all three are given, every layer is
             allocated now (what ``torch.export`` and compiled prefill need);
             otherwise on the first update, from the keys/values, checked
-            against whichever of them were given.
+            against whichever of them were given. Under transformers' tensor
+            parallelism (``config.distributed_config.tp_size > 1``, set by
+            ``from_pretrained(..., tp_plan="auto")``), each rank allocates its
+            local ``num_key_value_heads // tp_size`` heads.
         sliding_layers: ``"kvcache"`` (default): sliding-window layers are
             linear kvcache buffers read through ``attend``'s window;
             ``"hf"``: transformers' ``StaticSlidingWindowLayer`` (holds only
@@ -529,7 +554,8 @@ class KVCache(Cache):
         TypeError: ``max_cache_len`` or ``batch_size`` not an int, ``dtype``
             not a ``torch.dtype``.
         ValueError: ``max_cache_len`` not in ``[1, 2**31)``, ``batch_size``
-            < 1, an unknown ``sliding_layers``.
+            < 1, an unknown ``sliding_layers``, KV heads that do not split
+            across the tensor-parallel ranks (allocated up front only).
         NotImplementedError: The config has a layer type kvcache cannot
             serve (chunked or indexed attention, KV sharing between layers,
             keys/values of different head sizes); the message names it.
@@ -609,8 +635,9 @@ class KVCache(Cache):
             layer.expected_dtype, layer.expected_batch, layer.expected_device = dtype, batch_size, dev
         if batch_size is not None and dtype is not None and dev is not None:
             heads, dims = _head_shapes(text, len(self.layers))
+            tp = _tp_size(config, text)
             for i, layer in ours:
-                layer.allocate(batch_size, heads[i], dims[i], dtype, dev)
+                layer.allocate(batch_size, _local_heads(heads[i], tp), dims[i], dtype, dev)
         self._attn_checked = False
 
     def __repr__(self) -> str:
