@@ -52,9 +52,10 @@ def test_readme_marks_few_blocks():
     assert len(BLOCKS) >= 7
     marked = [h for h, b in BLOCKS if b.startswith(MARKERS)]
     assert len(marked) <= 2, f"blocks that do not run on CPU: {marked}"
-    for _, block in BLOCKS:
+    for head, block in BLOCKS:
         if block.startswith("# needs:"):
             assert block.startswith(MARKERS), block.splitlines()[0]
+        compile(block, f"README.md ({head})", "exec")  # marked blocks are at least valid Python
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)), ids=[f"{i}-{h[:30]}" for i, (h, _) in enumerate(BLOCKS)])
