@@ -35,7 +35,11 @@ nvcc_version=$(nvcc --version | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p')
 
 start=$(date +%s)
 if [ ! -x "$VENV/bin/python" ]; then
+  echo "== creating $VENV: torch==2.14.1 with CUDA 13 and its nvidia-* wheels, about 5.5 GB on disk" \
+       "(kept for the next run; KVCACHE_CUDA_VENV=DIR puts it elsewhere, rm -rf $VENV frees it)"
   python3 -m venv "$VENV"
+else
+  echo "== using $VENV (torch==2.14.1 with CUDA 13, about 5.5 GB; rm -rf $VENV frees it)"
 fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"

@@ -113,13 +113,21 @@ void check_device(const at::Tensor& t, const at::Device& device,
                     device, "), got ", t.device());
 }
 
-void check_row_ints(const at::Tensor& t, const char* name,
-                    const c10::SymInt& batch, const at::Device& device) {
-  check_dense(t, name);
+void check_int_dtype(const at::Tensor& t, const char* name) {
   TORCH_CHECK_TYPE(
       t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, name,
       " must be an int32 or int64 tensor, got dtype ",
       py_dtype(t.scalar_type()));
+}
+
+std::string at_index(const at::Tensor& t, int64_t b) {
+  return t.dim() == 0 ? std::string() : " at index " + std::to_string(b);
+}
+
+void check_row_ints(const at::Tensor& t, const char* name,
+                    const c10::SymInt& batch, const at::Device& device) {
+  check_dense(t, name);
+  check_int_dtype(t, name);
   TORCH_CHECK_VALUE(
       t.dim() == 0 || (t.dim() == 1 && holds(t.sym_size(0).sym_eq(batch))),
       name, " must be a 0-D tensor (one value for every row) or have shape "

@@ -71,6 +71,13 @@ void check_dtype(const at::Tensor& t, at::ScalarType expected,
 void check_device(const at::Tensor& t, const at::Device& device,
                   const char* name, const char* what);
 
+// `t` is an int32 or int64 tensor (TypeError naming it otherwise).
+void check_int_dtype(const at::Tensor& t, const char* name);
+
+// " at index b" for a per-row tensor, "" for a 0-D one: where a value
+// check's message says which row failed.
+std::string at_index(const at::Tensor& t, int64_t b);
+
 // A per-row integer tensor (lengths, positions, kv_start, counts): int32 or
 // int64, 0-D (one value for every row) or of shape (batch,), on `device`.
 void check_row_ints(const at::Tensor& t, const char* name,

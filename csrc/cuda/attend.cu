@@ -45,6 +45,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "../core/rules.h"
 #include "../ops/attend.h"
 #include "launch.cuh"
 
@@ -106,8 +107,7 @@ __device__ __forceinline__ RowBounds row_bounds(const AttnArgs& a, int64_t b) {
     RowBounds r;
     r.len = detail::read_row(a.lengths, b);
     r.first = a.kv_start.data != nullptr ? detail::read_row(a.kv_start, b) : 0;
-    r.valid = r.len >= a.seq && r.len <= a.max_len && r.first >= 0 &&
-              r.first <= r.len;
+    r.valid = detail::attend_row_fits(r.len, r.first, a.seq, a.max_len);
     shared = r;
   }
   __syncthreads();

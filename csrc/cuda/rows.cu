@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "../core/rules.h"
 #include "../ops/rows.h"
 #include "copy.cuh"
 #include "launch.cuh"
@@ -42,8 +43,7 @@ __global__ void rollback_kernel(const IntRows lengths, const IntRows n,
         kv_start.data != nullptr ? detail::read_row(kv_start, b) : 0;
     // drop > len - first, never len - drop < first: len - first cannot
     // overflow once 0 <= first <= len, a drop near 2^63 could.
-    bad |= (len < 0) | (first < 0) | (first > len) | (drop < 0) |
-           (drop > len - first);
+    bad |= !detail::rollback_fits(len, first, drop);
   }
   bad = __syncthreads_or(bad);
   for (int64_t b = threadIdx.x; b < rows; b += blockDim.x) {
@@ -78,7 +78,7 @@ __global__ void reset_rows_kernel(const IntRows lengths, const bool* mask,
   if (mask == nullptr) {
     for (int64_t i = threadIdx.x; i < index.numel; i += blockDim.x) {
       const int64_t r = detail::read_row(index, i);
-      bad |= (r < 0) | (r >= batch);
+      bad |= !detail::row_index_fits(r, batch);
     }
   }
   bad = __syncthreads_or(bad);
@@ -134,11 +134,11 @@ __global__ void select_plan_kernel(const IntRows lengths, const IntRows index,
   int bad = 0;
   for (int64_t b = threadIdx.x; b < lengths.numel; b += blockDim.x) {
     const int64_t len = detail::read_row(lengths, b);
-    bad |= (len < 0) | (len > max_len);
+    bad |= !detail::length_fits(len, max_len);
   }
   for (int64_t b = threadIdx.x; b < batch; b += blockDim.x) {
     const int64_t src = detail::read_row(index, b);
-    bad |= (src < 0) | (src >= batch);
+    bad |= !detail::row_index_fits(src, batch);
   }
   bad = __syncthreads_or(bad);
   for (int64_t b = threadIdx.x; b < batch; b += blockDim.x) {

@@ -21,10 +21,6 @@ bool attn_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
 }
 
-std::string at_index(const at::Tensor& t, int64_t b) {
-  return t.dim() == 0 ? std::string() : " at index " + std::to_string(b);
-}
-
 }  // namespace
 
 AttendRows check_attend(const at::Tensor& q, const at::Tensor& keys,

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "../core/checks.h"
+#include "../core/rules.h"
 #include "../core/overlap.h"
 #include "../core/tensor_params.h"
 
@@ -18,18 +19,11 @@ DeviceStub<ResetRowsFn> reset_rows_stub;
 
 namespace {
 
-std::string at_index(const at::Tensor& t, int64_t b) {
-  return t.dim() == 0 ? std::string() : " at index " + std::to_string(b);
-}
-
 // A per-row integer tensor shaped like `lengths` (0-D, or the same (rows,)).
 void check_like_lengths(const at::Tensor& t, const char* name,
                         const at::Tensor& lengths) {
   check_dense(t, name);
-  TORCH_CHECK_TYPE(
-      t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, name,
-      " must be an int32 or int64 tensor, got dtype ",
-      py_dtype(t.scalar_type()));
+  check_int_dtype(t, name);
   TORCH_CHECK_VALUE(
       t.dim() == 0 || (lengths.dim() == 1 && t.dim() == 1 &&
                        holds(t.sym_size(0).sym_eq(lengths.sym_size(0)))),
@@ -40,10 +34,7 @@ void check_like_lengths(const at::Tensor& t, const char* name,
 
 void check_lengths_tensor(const at::Tensor& lengths) {
   check_dense(lengths, "lengths");
-  TORCH_CHECK_TYPE(
-      lengths.scalar_type() == at::kInt || lengths.scalar_type() == at::kLong,
-      "lengths must be an int32 or int64 tensor, got dtype ",
-      py_dtype(lengths.scalar_type()));
+  check_int_dtype(lengths, "lengths");
   TORCH_CHECK_VALUE(lengths.dim() <= 1,
                     "lengths must be a 0-D tensor or have shape (batch,), got "
                     "shape ",
@@ -64,10 +55,7 @@ std::vector<int64_t> check_rollback(const at::Tensor& lengths,
       // is checked against the shared length (attend takes the same pair).
       // The result keeps lengths' shape: n stays 0-D or lengths' shape.
       check_dense(*kv_start, "kv_start");
-      TORCH_CHECK_TYPE(kv_start->scalar_type() == at::kInt ||
-                           kv_start->scalar_type() == at::kLong,
-                       "kv_start must be an int32 or int64 tensor, got dtype ",
-                       py_dtype(kv_start->scalar_type()));
+      check_int_dtype(*kv_start, "kv_start");
       TORCH_CHECK_VALUE(kv_start->dim() <= 1,
                         "kv_start must be a 0-D tensor or have shape (batch,), "
                         "got shape ",
@@ -93,20 +81,24 @@ std::vector<int64_t> check_rollback(const at::Tensor& lengths,
     const int64_t len = row_value(lengths, b);
     const int64_t drop = row_value(n, b);
     const int64_t first = kv_start.has_value() ? row_value(*kv_start, b) : 0;
-    TORCH_CHECK_VALUE(len >= 0, "lengths must be >= 0, got ", len,
-                      at_index(shaped, b));
-    TORCH_CHECK_VALUE(first >= 0 && first <= len,
-                      "kv_start must be in [0, lengths] = [0, ", len, "], got ",
-                      first, at_index(shaped, b));
-    TORCH_CHECK_VALUE(drop >= 0, "n must be >= 0, got ", drop,
-                      at_index(shaped, b));
-    // Never len - drop < first: compare without the subtraction of a drop
-    // that may be near 2^63.
-    TORCH_CHECK_VALUE(drop <= len - first,
-                      "cannot roll back more tokens than the row holds: n=",
-                      drop, " but lengths=", len, kv_start ? " - kv_start=" : "",
-                      kv_start ? std::to_string(first) : std::string(),
-                      " leaves ", len - first, at_index(shaped, b));
+    // The rule (core/rules.h, shared with the CUDA kernel); inside, the
+    // message for the part of it that failed.
+    if (!rollback_fits(len, first, drop)) {
+      TORCH_CHECK_VALUE(len >= 0, "lengths must be >= 0, got ", len,
+                        at_index(shaped, b));
+      TORCH_CHECK_VALUE(first >= 0 && first <= len,
+                        "kv_start must be in [0, lengths] = [0, ", len, "], got ",
+                        first, at_index(shaped, b));
+      TORCH_CHECK_VALUE(drop >= 0, "n must be >= 0, got ", drop,
+                        at_index(shaped, b));
+      // Never len - drop < first: compare without the subtraction of a drop
+      // that may be near 2^63.
+      TORCH_CHECK_VALUE(drop <= len - first,
+                        "cannot roll back more tokens than the row holds: n=",
+                        drop, " but lengths=", len, kv_start ? " - kv_start=" : "",
+                        kv_start ? std::to_string(first) : std::string(),
+                        " leaves ", len - first, at_index(shaped, b));
+    }
     out[lengths.dim() == 0 ? 0 : b] = len - drop;
   }
   return out;
@@ -120,10 +112,7 @@ SelectRowsValues check_select_rows(const at::Tensor& keys,
   const c10::SymInt batch = keys.sym_size(0);
   check_row_ints(lengths, "lengths", batch, keys.device());
   check_dense(index, "index");
-  TORCH_CHECK_TYPE(
-      index.scalar_type() == at::kInt || index.scalar_type() == at::kLong,
-      "index must be an int32 or int64 tensor, got dtype ",
-      py_dtype(index.scalar_type()));
+  check_int_dtype(index, "index");
   TORCH_CHECK_VALUE(
       index.dim() == 1 && holds(index.sym_size(0).sym_eq(batch)),
       "index must have shape (batch=", shown(batch), ",), got shape ",
@@ -147,11 +136,11 @@ SelectRowsValues check_select_rows(const at::Tensor& keys,
   out.index.resize(static_cast<size_t>(n));
   for (int64_t b = 0; b < n; ++b) {
     const int64_t len = row_value(lengths, b);
-    TORCH_CHECK_VALUE(len >= 0 && len <= cap, "lengths must be in [0, max_len=",
+    TORCH_CHECK_VALUE(length_fits(len, cap), "lengths must be in [0, max_len=",
                       cap, "], got ", len, at_index(lengths, b));
     out.lengths[b] = len;
     const int64_t src = row_value(index, b);
-    TORCH_CHECK_VALUE(src >= 0 && src < n, "index must be in [0, batch=", n,
+    TORCH_CHECK_VALUE(row_index_fits(src, n), "index must be in [0, batch=", n,
                       "), got ", src, " at index ", b);
     out.index[b] = src;
   }
@@ -211,7 +200,7 @@ std::vector<int64_t> check_reset_rows(const at::Tensor& lengths,
   const int64_t k = rows.numel();
   for (int64_t i = 0; i < k; ++i) {
     const int64_t r = row_value(rows, i);
-    TORCH_CHECK_VALUE(r >= 0 && r < n, "rows must be in [0, batch=", n,
+    TORCH_CHECK_VALUE(row_index_fits(r, n), "rows must be in [0, batch=", n,
                       "), got ", r, at_index(rows, i));
   }
   for (int64_t i = 0; i < k; ++i) out[row_value(rows, i)] = 0;
