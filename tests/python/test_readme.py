@@ -73,7 +73,7 @@ def test_readme_python_block_runs_alone(index, tmp_path):
 
 def test_readme_stateful_block_prints_the_lengths(tmp_path):
     """The printed lengths in the stateful block's comment are what it prints."""
-    head, block = next((h, b) for h, b in BLOCKS if "reset_kv_layer_cache_rows" in b)
+    head, block = next((h, b) for h, b in BLOCKS if "reset_rows_kv_layer_cache" in b)
     expected = re.search(r"print\(cache\.length\)\s+# (.+)", block).group(1).strip()
     proc = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
