@@ -12,6 +12,7 @@
 #include "core/dispatch_guards.h"
 #include "ops/attend.h"
 #include "ops/init_layer_cache.h"
+#include "ops/ring.h"
 #include "ops/rows.h"
 #include "ops/update.h"
 
@@ -52,14 +53,35 @@ TORCH_LIBRARY(kvcache, m) {
   // of the cache: query i of row b sits at slot lengths[b] - seq + i and sees
   // the slots from kv_start[b] (default 0) up to itself (and, with window >
   // 0, the last `window` of them); slots outside [kv_start, lengths) are
-  // never read. Grouped-query attention when num_heads is a multiple of
+  // never read. With `positions` ((batch, max_len) int32, a ring's record of
+  // the logical position in each slot, -1: empty) the cache is read by
+  // position instead: query i sits at position lengths[b] - seq + i and sees
+  // the slots whose position q has kv_start[b] <= q <= p and (q < sinks or
+  // p - q < window) (csrc/core/visibility.h); a query whose visible slots
+  // are fewer than that rule asks for (a ring that lost a position) gets
+  // NaN. Grouped-query attention when num_heads is a multiple of
   // num_kv_heads. scale defaults to head_dim ** -0.5; softcap > 0 applies
   // softcap * tanh(score / softcap). Returns (batch, num_heads, seq,
   // head_dim) in q's dtype (float32, bfloat16, float16; float32 math).
   m.def(
       "attend(Tensor q, Tensor keys, Tensor values, Tensor lengths, *, "
       "Tensor? kv_start=None, float? scale=None, int window=0, "
-      "float softcap=0.0) -> Tensor");
+      "float softcap=0.0, Tensor? positions=None, int sinks=0) -> Tensor");
+
+  // Writes keys_new / values_new (batch, num_kv_heads, chunk, head_dim) into
+  // a ring cache (keys / values (batch, num_kv_heads, capacity, head_dim))
+  // at the logical positions [start_b, start_b + chunk) of each row, and
+  // records them in positions ((batch, capacity) int32), in one pass:
+  // position p goes to slot p if p < sinks, else sinks + (p - sinks) mod
+  // (capacity - sinks). Only what the ring keeps is written (the sinks and
+  // the last capacity - sinks positions), so a chunk of any length is fine.
+  // start: int32/int64, 0-D or (batch,), read on the device. Returns
+  // start + chunk (int32, the start's shape); on CUDA a bad start writes
+  // nothing and returns -1 everywhere.
+  m.def(
+      "ring_update_(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) positions, "
+      "Tensor keys_new, Tensor values_new, Tensor start, *, int sinks=0) "
+      "-> Tensor");
 
   // The lengths after dropping the last n[b] tokens of each row: lengths - n
   // as a new tensor (nothing else moves: later writes overwrite the stale
@@ -89,10 +111,11 @@ void register_entries(torch::Library& m) {
   m.impl("attend", &kvcache::ops::attend);
   m.impl("rollback", &kvcache::ops::rollback);
   m.impl("select_rows_", &kvcache::ops::select_rows_);
+  m.impl("ring_update_", &kvcache::ops::ring_update_);
 }
 
 constexpr const char* kWriteOps[] = {"update_", "update_.Tensor", "append_",
-                                     "select_rows_"};
+                                     "select_rows_", "ring_update_"};
 constexpr const char* kReadOps[] = {"attend", "rollback"};
 
 }  // namespace

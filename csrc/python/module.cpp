@@ -17,6 +17,7 @@
 #include "kvcache/build_info.h"
 #include "../ops/attend.h"
 #include "../ops/init_layer_cache.h"
+#include "../ops/ring.h"
 #include "../ops/rows.h"
 #include "../ops/update.h"
 
@@ -83,13 +84,27 @@ PYBIND11_MODULE(_C, m) {
                       const at::Tensor& v, const at::Tensor& lengths,
                       const std::optional<at::Tensor>& kv_start,
                       std::optional<double> scale, int64_t window,
-                      double softcap) {
+                      double softcap, const std::optional<at::Tensor>& positions,
+                      int64_t sinks) {
           translated([&] {
             d::check_attend(q, k, v, lengths, kv_start, scale, window, softcap,
-                          false);
+                          false, positions, sinks);
           });
         },
+        py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("lengths"),
+        py::arg("kv_start"), py::arg("scale"), py::arg("window"),
+        py::arg("softcap"), py::arg("positions") = py::none(),
+        py::arg("sinks") = 0,
         "Checks attend's arguments (not the lengths' values).");
+  m.def("check_ring_update",
+        [](const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
+           const at::Tensor& kn, const at::Tensor& vn, const at::Tensor& start,
+           int64_t sinks) {
+          translated([&] {
+            d::check_ring_update(k, v, positions, kn, vn, start, sinks, false);
+          });
+        },
+        "Checks ring_update_'s arguments (not the start's values).");
   m.def("check_rollback",
         [](const at::Tensor& lengths, const at::Tensor& n,
                       const std::optional<at::Tensor>& kv_start) {

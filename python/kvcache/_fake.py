@@ -46,8 +46,9 @@ def _append_fake(keys, values, lengths, keys_new, values_new):
 
 
 @torch.library.register_fake(_lib + "attend")
-def _attend_fake(q, keys, values, lengths, *, kv_start=None, scale=None, window=0, softcap=0.0):
-    _C.check_attend(q, keys, values, lengths, kv_start, scale, window, softcap)
+def _attend_fake(q, keys, values, lengths, *, kv_start=None, scale=None, window=0, softcap=0.0, positions=None,
+                 sinks=0):
+    _C.check_attend(q, keys, values, lengths, kv_start, scale, window, softcap, positions, sinks)
     b, h, s, d = q.shape
     # (batch, seq, heads, head_dim) memory, as the kernels allocate it.
     return q.new_empty((b, s, h, d)).transpose(1, 2)
@@ -63,3 +64,9 @@ def _rollback_fake(lengths, n, *, kv_start=None):
 def _select_rows_fake(keys, values, lengths, index):
     _C.check_select_rows(keys, values, lengths, index)
     return torch.empty_like(lengths, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake(_lib + "ring_update_")
+def _ring_update_fake(keys, values, positions, keys_new, values_new, start, *, sinks=0):
+    _C.check_ring_update(keys, values, positions, keys_new, values_new, start, sinks)
+    return keys.new_empty(start.shape, dtype=torch.int32)

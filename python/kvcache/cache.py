@@ -313,7 +313,10 @@ def attend(
             cache's dtype (float32, bfloat16 or float16); ``num_heads`` a
             multiple of ``num_kv_heads`` (grouped-query attention).
         cache: The layer's cache, already updated with this step's keys and
-            values.
+            values; or a ring (:class:`kvcache.RingLayerCache`, or the
+            :class:`kvcache.RingKV` of :func:`kvcache.write_ring_layer_cache`),
+            read by position with the ring's window and sinks (see
+            :func:`kvcache.ring.attend_ring`).
         kv_start: ``(batch,)`` int tensor: the first valid slot of each row
             (left padding); ``None`` means 0.
         scale: Score scale; ``None`` means ``head_dim ** -0.5``.
@@ -337,6 +340,13 @@ def attend(
     """
     window_ = 0 if window is None else window
     softcap_ = 0.0 if softcap is None else softcap
+    if not torch.jit.is_scripting() and not isinstance(cache, KVLayerCache):
+        from .ring import RingKV, RingLayerCache, attend_ring
+
+        if isinstance(cache, (RingLayerCache, RingKV)):
+            if window is not None and window != cache.window:
+                raise ValueError(f"window={window} differs from the ring's window={cache.window}")
+            return attend_ring(q, cache, kv_start=kv_start, scale=scale, softcap=softcap)
     if torch.jit.is_scripting():
         return torch.ops.kvcache.attend(
             q, cache.keys, cache.values, cache.length, kv_start=kv_start, scale=scale, window=window_, softcap=softcap_

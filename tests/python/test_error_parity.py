@@ -93,6 +93,28 @@ def sel(k, v, lengths, index):
     return ops.select_rows_(k, v, lengths, index)
 
 
+def ring(k, v, pos, kn, vn, s, sinks=0):
+    return ops.ring_update_(k, v, pos, kn, vn, s, sinks=sinks)
+
+
+def ring_sinks(sinks):
+    return lambda k, v, pos, kn, vn, s: ops.ring_update_(k, v, pos, kn, vn, s, sinks=sinks)
+
+
+def ring_pos(shape=(B, T), dtype=torch.int32):
+    return torch.full(shape, -1, dtype=dtype)
+
+
+def att_ring(q, k, v, lengths, pos, sinks=0, window=4):
+    return ops.attend(q, k, v, lengths, window=window, positions=pos, sinks=sinks)
+
+
+def ring_pos_in_keys():
+    k, v = int_cache()
+    one = torch.ones(B, H, 1, D, dtype=torch.int64)
+    return (k, v, k[:, 0, :, 0].view(torch.int32)[:, :T], one, one.clone(), torch.tensor(0))
+
+
 def init(*sizes, dtype=None):
     return lambda: ops.init_layer_cache(*sizes, dtype=dtype)
 
@@ -242,6 +264,24 @@ CASES = [
          runtime=True),
     Case("select_rows_/lengths-over-max_len", sel, lambda: (*cache(), torch.tensor([1, T + 1]), torch.tensor([1, 0])),
          runtime=True),
+    # --- ring_update_ ---
+    Case("ring_update_/positions-int64", ring, lambda: (*cache(), ring_pos(dtype=torch.int64), *new(1), torch.tensor(0))),
+    Case("ring_update_/positions-shape", ring, lambda: (*cache(), ring_pos((B, T + 1)), *new(1), torch.tensor(0))),
+    Case("ring_update_/positions-in-keys", ring, ring_pos_in_keys),
+    Case("ring_update_/keys_new-head_dim", ring, lambda: (*cache(), ring_pos(), *new(1, D + 1), torch.tensor(0))),
+    Case("ring_update_/start-float", ring, lambda: (*cache(), ring_pos(), *new(1), torch.tensor(0.0))),
+    Case("ring_update_/sinks-negative", ring_sinks(-1), lambda: (*cache(), ring_pos(), *new(1), torch.tensor(0))),
+    Case("ring_update_/sinks-capacity", ring_sinks(T), lambda: (*cache(), ring_pos(), *new(1), torch.tensor(0))),
+    Case("ring_update_/start-negative", ring, lambda: (*cache(), ring_pos(), *new(1), torch.tensor([0, -1])),
+         runtime=True),
+    Case("ring_update_/start-int32-overflow", ring,
+         lambda: (*cache(), ring_pos(), *new(2), torch.tensor(2**31 - 2)), runtime=True),
+    # --- attend over a ring ---
+    Case("attend/positions-shape", att_ring, lambda: (q_(), *cache(), torch.tensor(3), ring_pos((B, T - 1)))),
+    Case("attend/positions-int64", att_ring, lambda: (q_(), *cache(), torch.tensor(3), ring_pos(dtype=torch.int64))),
+    Case("attend/sinks-without-positions", att(sinks=2), lambda: (q_(), *cache(), torch.tensor(3))),
+    Case("attend/ring-lengths-over-int32", att_ring, lambda: (q_(), *cache(), torch.tensor(2**31), ring_pos()),
+         runtime=True),
     # --- init_layer_cache ---
     Case("init_layer_cache/negative-batch", init(-1, 2, 4, 8), lambda: ()),
     Case("init_layer_cache/max_len-2^31", init(1, 1, 1, 2**31), lambda: ()),
@@ -319,7 +359,8 @@ def test_traced_error_is_eager_error(case, mode):
 
 def test_table_covers_every_operator():
     names = {c.id.split("/")[0] for c in CASES}
-    assert names == {"update_", "update_.Tensor", "append_", "attend", "rollback_", "select_rows_", "init_layer_cache"}
+    assert names == {"update_", "update_.Tensor", "append_", "attend", "rollback_", "select_rows_", "init_layer_cache",
+                     "ring_update_"}
     assert all(isinstance(run_eager(c), (ValueError, TypeError)) for c in CASES if "requires-grad" not in c.id)
 
 
