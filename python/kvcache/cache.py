@@ -340,19 +340,12 @@ def attend(
     """
     window_ = 0 if window is None else window
     softcap_ = 0.0 if softcap is None else softcap
-    if not torch.jit.is_scripting() and not isinstance(cache, KVLayerCache):
-        from .ring import RingKV, RingLayerCache, attend_ring
-
-        if isinstance(cache, (RingLayerCache, RingKV)):
-            if window is not None and window != cache.window:
-                raise ValueError(f"window={window} differs from the ring's window={cache.window}")
-            return attend_ring(q, cache, kv_start=kv_start, scale=scale, softcap=softcap)
     if torch.jit.is_scripting():
         return torch.ops.kvcache.attend(
             q, cache.keys, cache.values, cache.length, kv_start=kv_start, scale=scale, window=window_, softcap=softcap_
         )
     if not isinstance(cache, KVLayerCache):
-        raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
+        return _attend_ring(q, cache, kv_start, scale, window, softcap)
     return _attend_op(
         q,
         cache.keys,
@@ -363,6 +356,18 @@ def attend(
         window=window_,
         softcap=softcap_,
     )
+
+
+@torch.jit.unused
+def _attend_ring(q, cache, kv_start, scale, window, softcap) -> torch.Tensor:
+    # Rings (kvcache.ring): Python only (TorchScript compiles attend for KVLayerCache).
+    from .ring import RingKV, RingLayerCache, attend_ring
+
+    if not isinstance(cache, (RingLayerCache, RingKV)):
+        raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
+    if window is not None and window != cache.window:
+        raise ValueError(f"window={window} differs from the ring's window={cache.window}")
+    return attend_ring(q, cache, kv_start=kv_start, scale=scale, softcap=softcap)
 
 
 def rollback_kv_layer_cache(
