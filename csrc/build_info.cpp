@@ -6,6 +6,9 @@
 
 #include "cuda/build_facts.h"
 #include "ops/attend.h"
+#include "ops/init_layer_cache.h"
+#include "ops/operators.h"
+#include "ops/ring.h"
 #include "ops/rows.h"
 #include "ops/update.h"
 
@@ -56,10 +59,11 @@ BuildInfo build_info() {
   const detail::CudaBuildFacts* facts = detail::cuda_build_facts;
   // CUDA counts as built in only if the CUDA objects are linked (they set
   // the facts) and every operator's CUDA work is registered.
-  info.with_cuda = facts != nullptr && detail::update_stub.cuda != nullptr &&
-                   detail::attend_stub.cuda != nullptr &&
-                   detail::rollback_stub.cuda != nullptr &&
-                   detail::select_rows_stub.cuda != nullptr;
+  info.with_cuda = facts != nullptr;
+#define KVCACHE_HAS_CUDA(id, name, kind, stub, schema) \
+  info.with_cuda = info.with_cuda && detail::has_cuda_work(detail::stub);
+  KVCACHE_OPERATORS(KVCACHE_HAS_CUDA)
+#undef KVCACHE_HAS_CUDA
   info.torch_version = TORCH_VERSION;
   if (facts != nullptr) {
     info.cuda_version = std::to_string(facts->cudart_version / 1000) + "." +

@@ -85,7 +85,7 @@ for line in open(sys.argv[1], errors="replace"):
         rows[-1][2] = int(m.group(1))
 def short(name):
     m = re.search(r"(update_copy_kernel|validate_starts_kernel|attend_combine_kernel|attend_kernel|"
-                  r"rollback_kernel|select_plan_kernel|select_move_kernel)(I(f|N3c108BFloat16E|N3c104HalfE)(Li(\d+)E)?)?",
+                  r"rollback_kernel|select_plan_kernel|select_move_kernel|ring_validate_kernel|ring_copy_kernel)(I(f|N3c108BFloat16E|N3c104HalfE)(Li(\d+)E)?)?",
                   name)
     if not m:
         return name[:60]
@@ -139,7 +139,7 @@ check_lib() {
   local syms
   syms=$(nm -C "$lib")
   for k in validate_starts_kernel update_copy_kernel attend_kernel attend_combine_kernel \
-           rollback_kernel select_plan_kernel select_move_kernel; do
+           rollback_kernel select_plan_kernel select_move_kernel ring_validate_kernel ring_copy_kernel; do
     grep -q "$k" <<<"$syms" || missing="$missing $k"
   done
   [ -z "$missing" ] || { echo "missing CUDA kernels in $lib:$missing" >&2; exit 1; }
@@ -154,7 +154,9 @@ print("   loads into torch", torch.__version__, "; build_info:", json.dumps(info
 assert info["with_cuda"] is True, "CUDA kernels are not linked in / registered"
 assert info["cuda_version"] == sys.argv[1], (info["cuda_version"], sys.argv[1])
 assert info["cuda_archs"] == "8.0;9.0", info["cuda_archs"]
-for op in ("update_", "update_.Tensor", "append_", "attend", "rollback", "select_rows_"):
+from kvcache import _C
+# Every operator of csrc/ops/operators.h that has device work.
+for op in (o["name"] for o in _C.operators if o["kind"] != "Factory"):
     name, _, overload = op.partition(".")
     packet = getattr(torch.ops.kvcache, name)
     assert (overload or "default") in packet.overloads(), op

@@ -35,7 +35,7 @@
 // block writes the output; otherwise it writes (max, sum, accumulator) to a
 // scratch buffer from the caching allocator (sized from shapes, never from
 // device values) and attend_combine_kernel merges them.
-#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
@@ -648,16 +648,15 @@ void attend_cuda(const AttendParams& p) {
     a.v_vec = allows_vec(p.v, p.v_stride, kv_size, elem);
   }
 
-  at::Tensor scratch;
+  c10::DataPtr scratch;
   if (a.splits > 1) {
     // (max, sum) and the accumulator of every (split, row): host-known
-    // sizes; stream-ordered caching-allocator memory (graph-safe).
+    // sizes; stream-ordered caching-allocator memory on the current device
+    // and stream (graph-safe), freed when this launcher returns.
     const int64_t floats = a.splits * a.total_rows * (D + 2);
-    scratch = at::empty({floats},
-                        at::TensorOptions()
-                            .dtype(at::kFloat)
-                            .device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(p.device_index))));
-    a.part_ml = scratch.data_ptr<float>();
+    scratch = c10::cuda::CUDACachingAllocator::get()->allocate(
+        static_cast<size_t>(floats) * sizeof(float));
+    a.part_ml = static_cast<float*>(scratch.get());
     a.part_acc = a.part_ml + 2 * a.splits * a.total_rows;
   }
 

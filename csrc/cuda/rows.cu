@@ -5,7 +5,7 @@
 // -1 into every entry of the new lengths it returns (the one check that is
 // always right: (lengths >= 0).all()). No host sync; every launch can be
 // captured in a CUDA graph.
-#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/util/Exception.h>
 
 #include <cstdint>
@@ -152,7 +152,6 @@ void select_rows_cuda(const SelectRowsParams& p) {
   if (p.batch <= 0) return;
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(p.device_index));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(p.device_index));
 
   const int64_t slabs = p.batch * p.heads;
   const int64_t row_bytes = p.head_dim * p.elem;
@@ -175,10 +174,12 @@ void select_rows_cuda(const SelectRowsParams& p) {
   // One allocation: plan (int64 per row), then the slots (16-byte aligned).
   const int64_t plan_bytes = ((p.batch * 8 + 255) / 256) * 256;
   const int64_t data_bytes = move ? 2 * slabs * chunk * row_bytes : 0;
-  at::Tensor scratch = at::empty({plan_bytes + data_bytes},
-                                 at::TensorOptions().dtype(at::kByte).device(device));
-  auto* plan = reinterpret_cast<int64_t*>(scratch.data_ptr<uint8_t>());
-  char* slots = reinterpret_cast<char*>(scratch.data_ptr<uint8_t>()) + plan_bytes;
+  // c10's caching allocator: stream-ordered on the current device and stream
+  // (graph-safe), freed when this launcher returns.
+  const c10::DataPtr scratch = c10::cuda::CUDACachingAllocator::get()->allocate(
+      static_cast<size_t>(plan_bytes + data_bytes));
+  auto* plan = static_cast<int64_t*>(scratch.get());
+  char* slots = static_cast<char*>(scratch.get()) + plan_bytes;
 
   const int64_t n = p.batch > p.lengths.numel ? p.batch : p.lengths.numel;
   select_plan_kernel<<<1, cuda::check_threads(n), 0, stream>>>(

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "../core/rules.h"
 #include "../ops/update.h"
 #include "copy.cuh"
 #include "launch.cuh"
@@ -43,13 +44,9 @@ using detail::UpdateParams;
 __global__ void validate_starts_kernel(const IntRows starts,
                                        const IntRows lengths_out, int64_t n,
                                        int64_t chunk, int64_t max_len) {
-  // max_len - chunk does not overflow (both are sizes >= 0); it is negative
-  // when the chunk alone exceeds the cache, and then every start is bad.
-  const int64_t last_start = max_len - chunk;
   int bad = 0;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    const int64_t s = detail::read_row(starts, i);
-    bad |= (s < 0) | (s > last_start);
+    bad |= !detail::start_fits(detail::read_row(starts, i), chunk, max_len);
   }
   // Barrier: every read above happens before any write below.
   bad = __syncthreads_or(bad);

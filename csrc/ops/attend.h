@@ -83,6 +83,20 @@ KVCACHE_API AttendRows check_attend(const at::Tensor& q, const at::Tensor& keys,
                         const std::optional<at::Tensor>& positions = std::nullopt,
                         int64_t sinks = 0);
 
+
+// The checks with the schema's arguments, as a fake kernel runs them.
+inline void trace_check_attend(const at::Tensor& q, const at::Tensor& keys,
+                               const at::Tensor& values,
+                               const at::Tensor& lengths,
+                               const std::optional<at::Tensor>& kv_start,
+                               std::optional<double> scale, int64_t window,
+                               double softcap,
+                               const std::optional<at::Tensor>& positions,
+                               int64_t sinks) {
+  check_attend(q, keys, values, lengths, kv_start, scale, window, softcap,
+               false, positions, sinks);
+}
+
 }  // namespace detail
 
 // Operator entry points (registered in csrc/schema.cpp).

@@ -24,6 +24,17 @@ KVCACHE_API at::ScalarType check_init(const c10::SymInt& batch_size,
                           const c10::SymInt& max_len,
                           std::optional<at::ScalarType> dtype);
 
+
+// The checks with the schema's arguments, as a fake kernel runs them.
+inline void trace_check_init_layer_cache(c10::SymInt batch_size,
+                                         c10::SymInt num_kv_heads,
+                                         c10::SymInt head_dim,
+                                         c10::SymInt max_len,
+                                         std::optional<at::ScalarType> dtype,
+                                         std::optional<at::Device> /*device*/) {
+  check_init(batch_size, num_kv_heads, head_dim, max_len, dtype);
+}
+
 }  // namespace detail
 
 // Operator entry points (registered in csrc/schema.cpp).

@@ -59,6 +59,17 @@ KVCACHE_API std::vector<int64_t> check_ring_update(
     const at::Tensor& values_new, const at::Tensor& start, int64_t sinks,
     bool values_known);
 
+// The checks with the schema's arguments, as the fake kernel runs them.
+inline void trace_check_ring_update_(const at::Tensor& keys,
+                                     const at::Tensor& values,
+                                     const at::Tensor& positions,
+                                     const at::Tensor& keys_new,
+                                     const at::Tensor& values_new,
+                                     const at::Tensor& start, int64_t sinks) {
+  check_ring_update(keys, values, positions, keys_new, values_new, start,
+                    sinks, false);
+}
+
 }  // namespace detail
 
 namespace ops {

@@ -70,6 +70,19 @@ KVCACHE_API SelectRowsValues check_select_rows(const at::Tensor& keys,
                                    const at::Tensor& lengths,
                                    const at::Tensor& index, bool values_known);
 
+
+// The checks with each schema's arguments, as a fake kernel runs them.
+inline void trace_check_rollback(const at::Tensor& lengths, const at::Tensor& n,
+                                 const std::optional<at::Tensor>& kv_start) {
+  check_rollback(lengths, n, kv_start, false);
+}
+inline void trace_check_select_rows_(const at::Tensor& keys,
+                                     const at::Tensor& values,
+                                     const at::Tensor& lengths,
+                                     const at::Tensor& index) {
+  check_select_rows(keys, values, lengths, index, false);
+}
+
 }  // namespace detail
 
 // Operator entry points (registered in csrc/schema.cpp).

@@ -8,6 +8,7 @@
 
 #include "../core/checks.h"
 #include "../core/overlap.h"
+#include "../core/rules.h"
 #include "../core/tensor_params.h"
 
 namespace kvcache {
@@ -142,6 +143,9 @@ void check_int_rows_apart(const at::Tensor& t, const char* name,
 
 void check_start_value(int64_t s, int64_t chunk, int64_t max_len,
                        const char* name, const at::Tensor* rows, int64_t b) {
+  // The rule (core/rules.h, shared with the CUDA kernel); below, the
+  // message for the part of it that failed.
+  if (start_fits(s, chunk, max_len)) return;
   if (rows == nullptr) {
     TORCH_CHECK_VALUE(s >= 0, name, " must be >= 0, got ", s);
     TORCH_CHECK_VALUE(s <= max_len - chunk, "KV cache overflow: end=",

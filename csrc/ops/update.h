@@ -63,6 +63,28 @@ KVCACHE_API std::vector<int64_t> check_append(const at::Tensor& keys,
                                   const at::Tensor& values_new,
                                   bool values_known);
 
+
+// The checks with each schema's arguments, as a fake kernel runs them
+// (values unknown: a start or lengths tensor is checked by the kernel).
+inline void trace_check_update_(const at::Tensor& keys, const at::Tensor& values,
+                                const at::Tensor& keys_new,
+                                const at::Tensor& values_new, c10::SymInt start) {
+  check_update(keys, values, keys_new, values_new, start);
+}
+inline void trace_check_update_tensor_(const at::Tensor& keys,
+                                       const at::Tensor& values,
+                                       const at::Tensor& keys_new,
+                                       const at::Tensor& values_new,
+                                       const at::Tensor& start) {
+  check_update_tensor(keys, values, keys_new, values_new, start, false);
+}
+inline void trace_check_append_(const at::Tensor& keys, const at::Tensor& values,
+                                const at::Tensor& lengths,
+                                const at::Tensor& keys_new,
+                                const at::Tensor& values_new) {
+  check_append(keys, values, lengths, keys_new, values_new, false);
+}
+
 }  // namespace detail
 
 // Operator entry points (registered in csrc/schema.cpp).

@@ -17,6 +17,7 @@
 #include "kvcache/build_info.h"
 #include "../ops/attend.h"
 #include "../ops/init_layer_cache.h"
+#include "../ops/operators.h"
 #include "../ops/ring.h"
 #include "../ops/rows.h"
 #include "../ops/update.h"
@@ -39,88 +40,40 @@ void translated(Fn fn) {
   }
 }
 
+template <typename... Args>
+void bind_check(py::module_& m, const char* name, void (*fn)(Args...),
+                const char* doc) {
+  m.def(
+      name,
+      [fn](Args... args) {
+        translated([&] { fn(std::forward<Args>(args)...); });
+      },
+      doc);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "kvcache's operator checks (for the fake kernels) and build info.";
 
-  m.def("check_init",
-        [](c10::SymInt b, c10::SymInt h, c10::SymInt dim,
-                      c10::SymInt len, std::optional<at::ScalarType> dtype) {
-          translated([&] {
-            d::check_init(b, h, dim, len, dtype);
-          });
-        },
-        "Checks init_layer_cache's arguments.");
-  m.def("check_update",
-        [](const at::Tensor& k, const at::Tensor& v,
-                      const at::Tensor& kn, const at::Tensor& vn,
-                      c10::SymInt start) {
-          translated([&] {
-            d::check_update(k, v, kn, vn, start);
-          });
-        },
-        "Checks update_'s arguments.");
-  m.def("check_update_tensor",
-        [](const at::Tensor& k, const at::Tensor& v,
-                      const at::Tensor& kn, const at::Tensor& vn,
-                      const at::Tensor& start) {
-          translated([&] {
-            d::check_update_tensor(k, v, kn, vn, start, false);
-          });
-        },
-        "Checks update_.Tensor's arguments (not the start's values).");
-  m.def("check_append",
-        [](const at::Tensor& k, const at::Tensor& v,
-                      const at::Tensor& lengths, const at::Tensor& kn,
-                      const at::Tensor& vn) {
-          translated([&] {
-            d::check_append(k, v, lengths, kn, vn, false);
-          });
-        },
-        "Checks append_'s arguments (not the lengths' values).");
-  m.def("check_attend",
-        [](const at::Tensor& q, const at::Tensor& k,
-                      const at::Tensor& v, const at::Tensor& lengths,
-                      const std::optional<at::Tensor>& kv_start,
-                      std::optional<double> scale, int64_t window,
-                      double softcap, const std::optional<at::Tensor>& positions,
-                      int64_t sinks) {
-          translated([&] {
-            d::check_attend(q, k, v, lengths, kv_start, scale, window, softcap,
-                          false, positions, sinks);
-          });
-        },
-        py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("lengths"),
-        py::arg("kv_start"), py::arg("scale"), py::arg("window"),
-        py::arg("softcap"), py::arg("positions") = py::none(),
-        py::arg("sinks") = 0,
-        "Checks attend's arguments (not the lengths' values).");
-  m.def("check_ring_update",
-        [](const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
-           const at::Tensor& kn, const at::Tensor& vn, const at::Tensor& start,
-           int64_t sinks) {
-          translated([&] {
-            d::check_ring_update(k, v, positions, kn, vn, start, sinks, false);
-          });
-        },
-        "Checks ring_update_'s arguments (not the start's values).");
-  m.def("check_rollback",
-        [](const at::Tensor& lengths, const at::Tensor& n,
-                      const std::optional<at::Tensor>& kv_start) {
-          translated([&] {
-            d::check_rollback(lengths, n, kv_start, false);
-          });
-        },
-        "Checks rollback's arguments (not their values).");
-  m.def("check_select_rows",
-        [](const at::Tensor& k, const at::Tensor& v,
-                      const at::Tensor& lengths, const at::Tensor& index) {
-          translated([&] {
-            d::check_select_rows(k, v, lengths, index, false);
-          });
-        },
-        "Checks select_rows_'s arguments (not their values).");
+  // check_<id> for every operator: its trace-time checks, with the
+  // schema's arguments in the schema's order.
+#define KVCACHE_BIND_CHECK(id, name, kind, stub, schema)                 \
+  bind_check(m, "check_" #id, &d::trace_check_##id,                     \
+             "Checks " name "'s arguments as its fake kernel does (not "  \
+             "the values of tensors read by the kernel).");
+  KVCACHE_OPERATORS(KVCACHE_BIND_CHECK)
+#undef KVCACHE_BIND_CHECK
+
+  // The operator list itself, for the fake kernels, scripts and tests.
+  py::list operators;
+#define KVCACHE_LIST_OP(id, name, kind, stub, schema)                    \
+  operators.append(py::dict(py::arg("id") = #id, py::arg("name") = name, \
+                            py::arg("kind") = #kind,                     \
+                            py::arg("schema") = schema));
+  KVCACHE_OPERATORS(KVCACHE_LIST_OP)
+#undef KVCACHE_LIST_OP
+  m.attr("operators") = operators;
 
   m.def(
       "build_info",

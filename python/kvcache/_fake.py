@@ -1,11 +1,15 @@
 """Fake kernels: what torch.compile / torch.export see while tracing.
 
 Each fake runs the operator's own C++ checks (``csrc/ops/*``, through
-``kvcache._C``) on the fake tensors, then allocates outputs of the right
-shape, dtype, device and strides. The checks read sizes as symbols, so a
-traced program raises the same exception, with the same message, as eager
+``kvcache._C.check_<id>``) on the fake tensors, then allocates outputs of the
+right shape, dtype, device and strides. The checks read sizes as symbols, so
+a traced program raises the same exception, with the same message, as eager
 code. Values that only exist at run time (the entries of a device start or
 lengths tensor) are checked by the kernels when the program runs.
+
+The operators come from the one list in ``csrc/ops/operators.h``
+(``kvcache._C.operators``): an operator there without an output rule here,
+or a rule here for no operator, fails the import.
 """
 
 from __future__ import annotations
@@ -14,12 +18,8 @@ import torch
 
 from . import _C
 
-_lib = "kvcache::"
 
-
-@torch.library.register_fake(_lib + "init_layer_cache")
-def _init_layer_cache_fake(batch_size, num_kv_heads, head_dim, max_len, *, dtype=None, device=None):
-    _C.check_init(batch_size, num_kv_heads, head_dim, max_len, dtype)
+def _init_layer_cache(batch_size, num_kv_heads, head_dim, max_len, *, dtype=None, device=None):
     dtype = dtype if dtype is not None else torch.get_default_dtype()
     device = device if device is not None else torch.device("cpu")
     shape = (batch_size, num_kv_heads, max_len, head_dim)
@@ -28,45 +28,76 @@ def _init_layer_cache_fake(batch_size, num_kv_heads, head_dim, max_len, *, dtype
     return keys, values, torch.empty((), dtype=torch.int32, device=device)
 
 
-@torch.library.register_fake(_lib + "update_")
-def _update_fake(keys, values, keys_new, values_new, start):
-    _C.check_update(keys, values, keys_new, values_new, start)
+def _update(keys, values, keys_new, values_new, start):
     return keys.new_empty((), dtype=torch.int32)
 
 
-@torch.library.register_fake(_lib + "update_.Tensor")
-def _update_tensor_fake(keys, values, keys_new, values_new, start):
-    _C.check_update_tensor(keys, values, keys_new, values_new, start)
+def _update_tensor(keys, values, keys_new, values_new, start):
     return keys.new_empty(start.shape, dtype=torch.int32)
 
 
-@torch.library.register_fake(_lib + "append_")
-def _append_fake(keys, values, lengths, keys_new, values_new):
-    _C.check_append(keys, values, lengths, keys_new, values_new)
+def _append(keys, values, lengths, keys_new, values_new):
+    return None
 
 
-@torch.library.register_fake(_lib + "attend")
-def _attend_fake(q, keys, values, lengths, *, kv_start=None, scale=None, window=0, softcap=0.0, positions=None,
-                 sinks=0):
-    _C.check_attend(q, keys, values, lengths, kv_start, scale, window, softcap, positions, sinks)
+def _attend(q, keys, values, lengths, *, kv_start=None, scale=None, window=0, softcap=0.0, positions=None, sinks=0):
     b, h, s, d = q.shape
     # (batch, seq, heads, head_dim) memory, as the kernels allocate it.
     return q.new_empty((b, s, h, d)).transpose(1, 2)
 
 
-@torch.library.register_fake(_lib + "rollback")
-def _rollback_fake(lengths, n, *, kv_start=None):
-    _C.check_rollback(lengths, n, kv_start)
+def _new_lengths(lengths, *args, **kwargs):
     return torch.empty_like(lengths, memory_format=torch.contiguous_format)
 
 
-@torch.library.register_fake(_lib + "select_rows_")
-def _select_rows_fake(keys, values, lengths, index):
-    _C.check_select_rows(keys, values, lengths, index)
-    return torch.empty_like(lengths, memory_format=torch.contiguous_format)
+def _select_rows(keys, values, lengths, index):
+    return _new_lengths(lengths)
 
 
-@torch.library.register_fake(_lib + "ring_update_")
-def _ring_update_fake(keys, values, positions, keys_new, values_new, start, *, sinks=0):
-    _C.check_ring_update(keys, values, positions, keys_new, values_new, start, sinks)
+def _ring_update(keys, values, positions, keys_new, values_new, start, *, sinks=0):
     return keys.new_empty(start.shape, dtype=torch.int32)
+
+
+# Outputs of each operator, by the id in csrc/ops/operators.h.
+_OUTPUTS = {
+    "init_layer_cache": _init_layer_cache,
+    "update_": _update,
+    "update_tensor_": _update_tensor,
+    "append_": _append,
+    "attend": _attend,
+    "rollback": _new_lengths,
+    "select_rows_": _select_rows,
+    "ring_update_": _ring_update,
+}
+
+
+def _fake(name: str, check, outputs):
+    op, _, overload = name.partition(".")
+    schema = getattr(getattr(torch.ops.kvcache, op), overload or "default")._schema
+    # (name, default) of every argument after the positional ones given.
+    arguments = [(a.name, a.default_value) for a in schema.arguments]
+
+    def fake(*args, **kwargs):
+        # The C++ checks take every schema argument positionally, in order.
+        full = list(args) + [kwargs.get(n, d) for n, d in arguments[len(args):]]
+        check(*full)
+        return outputs(*args, **kwargs)
+
+    return fake
+
+
+def _register() -> None:
+    ids = [op["id"] for op in _C.operators]
+    missing = sorted(set(ids) - set(_OUTPUTS))
+    extra = sorted(set(_OUTPUTS) - set(ids))
+    if missing or extra:
+        raise RuntimeError(
+            f"kvcache._fake is out of step with csrc/ops/operators.h: no output rule for {missing}, "
+            f"rules for unknown operators {extra}"
+        )
+    for op in _C.operators:
+        check = getattr(_C, "check_" + op["id"])
+        torch.library.register_fake("kvcache::" + op["name"])(_fake(op["name"], check, _OUTPUTS[op["id"]]))
+
+
+_register()

@@ -4,9 +4,12 @@
 #include <ATen/core/stack.h>
 
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include "catch.h"
 #include "kvcache/build_info.h"
+#include "ops/operators.h"
 
 namespace {
 
@@ -45,9 +48,18 @@ TEST_CASE("schemas are registered with mutation annotations", "[dispatcher]") {
 }
 
 TEST_CASE("kernels are registered for the backends and the guards", "[dispatcher]") {
-  for (auto [name, overload] : {std::pair{"kvcache::update_", ""}, {"kvcache::update_", "Tensor"},
-                                {"kvcache::append_", ""}, {"kvcache::attend", ""},
-                                {"kvcache::rollback", ""}, {"kvcache::select_rows_", ""}}) {
+  // Every operator with device work in the one list (csrc/ops/operators.h).
+  std::vector<std::string> names;
+#define KVCACHE_NAME(id, name, kind, stub, schema) \
+  if (std::string(#kind) != "Factory") names.push_back(name);
+  KVCACHE_OPERATORS(KVCACHE_NAME)
+#undef KVCACHE_NAME
+  REQUIRE(names.size() >= 6);
+  for (const auto& full : names) {
+    const auto dot = full.find('.');
+    const std::string name = "kvcache::" + full.substr(0, dot);
+    const std::string overload = dot == std::string::npos ? "" : full.substr(dot + 1);
+    CAPTURE(full);
     auto op = c10::Dispatcher::singleton().findSchema({name, overload});
     REQUIRE(op.has_value());
     for (auto key : {c10::DispatchKey::CPU, c10::DispatchKey::CUDA, c10::DispatchKey::SparseCPU,

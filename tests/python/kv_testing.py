@@ -1,11 +1,48 @@
-"""Shared test helpers: data makers, byte-exact comparison and an independent plain-PyTorch
-reference of the update. Test files import it by name: pytest puts this folder on sys.path."""
+"""Shared test helpers: data makers and byte-exact comparison (the references live in
+references.py). Test files import it by name: pytest puts this folder on sys.path."""
 
 from __future__ import annotations
 
+import contextlib
+
+import pytest
 import torch
 
 import kvcache  # noqa: F401  (loads the operators)
+
+
+def cuda_ready() -> bool:
+    """A GPU is visible and this build of kvcache has CUDA kernels."""
+    return torch.cuda.is_available() and kvcache.build_info()["with_cuda"]
+
+
+# Tests of behaviour every device shares take a `device` argument (the fixture below, imported
+# into the test module): CUDA cases skip without a GPU. CUDA-only semantics (-1 lengths, graphs,
+# sync-free calls, copy units) live in test_cuda.py.
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not cuda_ready(), reason="needs a GPU and a CUDA build of kvcache")),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> torch.device:
+    return torch.device(request.param)
+
+
+@contextlib.contextmanager
+def no_host_sync(device):
+    """On CUDA, any synchronizing call inside raises (a hidden host read of a device value);
+    on other devices, nothing."""
+    if torch.device(device).type != "cuda":
+        yield
+        return
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
 
 ALL_DTYPES = [
     torch.float32,
@@ -64,20 +101,3 @@ def random_kv(b, h, chunk, d, dtype=torch.float32, device="cpu", seed=0):
         random_tensor((b, h, chunk, d), dtype, device, seed=seed),
         random_tensor((b, h, chunk, d), dtype, device, seed=seed + 1),
     )
-
-
-def reference_update(keys, values, keys_new, values_new, starts):
-    """Plain slicing on copies: the expected cache after an update.
-
-    Args:
-        starts: an int (every row) or a sequence of per-row ints.
-    """
-    keys, values = keys.clone(), values.clone()
-    chunk = keys_new.shape[2]
-    batch = keys.shape[0]
-    if isinstance(starts, int):
-        starts = [starts] * batch
-    for b, s in enumerate(starts):
-        keys[b, :, s : s + chunk] = keys_new[b]
-        values[b, :, s : s + chunk] = values_new[b]
-    return keys, values

@@ -8,7 +8,6 @@ Unused slots are poisoned with NaN/Inf to prove the kernel never reads them.
 
 from __future__ import annotations
 
-import itertools
 import os
 import subprocess
 import sys
@@ -19,47 +18,18 @@ import torch
 from torch.library import opcheck
 
 import kvcache
+from kv_testing import device  # noqa: F401  (the device fixture)
+from kv_testing import no_host_sync
+from references import assert_close
+from references import attention_reference as reference
 
 ATTEND = torch.ops.kvcache.attend.default
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# PyTorch's SDPA tests (test/test_transformers.py: default_atol/default_rtol).
-ATOL = {torch.float32: 1e-5, torch.bfloat16: 1e-3, torch.float16: 1e-3}
-RTOL = {torch.float32: 1.3e-6, torch.bfloat16: 1.6e-2, torch.float16: 1e-3}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 # ------------------------------------------------------------- reference ---
-
-
-def reference(q, keys, values, lengths, kv_start=None, scale=None, window=0, softcap=0.0):
-    """float64 masked-softmax attention; reads slots [0, lengths[b]) only.
-
-    Returns (batch, num_heads, seq, head_dim) float64.
-    """
-    b, h, s, d = q.shape
-    kv_heads = keys.shape[1]
-    group = h // kv_heads
-    scale = d**-0.5 if scale is None else scale
-    lengths = lengths.expand(b) if lengths.dim() == 0 else lengths
-    out = torch.zeros(b, h, s, d, dtype=torch.float64)
-    for r in range(b):
-        n = int(lengths[r])
-        first = 0 if kv_start is None else int(kv_start.expand(b)[r])
-        k = keys[r, :, :n].double().repeat_interleave(group, 0)  # (h, n, d)
-        v = values[r, :, :n].double().repeat_interleave(group, 0)
-        scores = q[r].double() @ k.transpose(1, 2) * scale  # (h, s, n)
-        if softcap > 0:
-            scores = softcap * torch.tanh(scores / softcap)
-        pos = torch.arange(s)[:, None] + (n - s)
-        slot = torch.arange(n)[None, :]
-        visible = (slot <= pos) & (slot >= first)
-        if window > 0:
-            visible &= slot > pos - window
-        scores = scores.masked_fill(~visible, float("-inf"))
-        weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows that see nothing: 0
-        out[r] = weights @ v
-    return out
 
 
 def unused_slots(b, seq, max_len, lengths, kv_start, window):
@@ -80,7 +50,7 @@ def poison_(t, unused):
     """Writes NaN, +Inf, -Inf (cycling) into the unused slots of a (b, kvh, T, d) view."""
     pattern = torch.tensor([float("nan"), float("inf"), float("-inf")])
     b, kvh, T, d = t.shape
-    vals = pattern[torch.arange(kvh * T * d) % 3].reshape(kvh, T, d).to(t.dtype)
+    vals = pattern[torch.arange(kvh * T * d) % 3].reshape(kvh, T, d).to(t.device, t.dtype)
     for r in range(b):
         idx = unused[r].nonzero().flatten()
         if idx.numel():
@@ -106,23 +76,27 @@ def test_nan_in_a_visible_slot_propagates(threads, T):
 # ------------------------------------------------------------- layouts ---
 
 
-def make_q(b, h, s, d, dtype, layout="contiguous", seed=0):
+def make_q(b, h, s, d, dtype, layout="contiguous", seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):  # made on the device, then viewed: the layout is the device's too
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
     if layout == "contiguous":
-        return torch.randn(b, h, s, d, generator=g).to(dtype)
+        return rnd(b, h, s, d)
     if layout == "transposed":  # the model's (batch, seq, heads, head_dim) projection
-        return torch.randn(b, s, h, d, generator=g).to(dtype).transpose(1, 2)
+        return rnd(b, s, h, d).transpose(1, 2)
     if layout == "strided":  # every other element of a wider buffer
-        return torch.randn(b, h, s, d, 2, generator=g).to(dtype)[..., 1]
+        return rnd(b, h, s, d, 2)[..., 1]
     raise ValueError(layout)
 
 
-def make_kv(b, kvh, T, d, dtype, layout="contiguous", seed=1):
+def make_kv(b, kvh, T, d, dtype, layout="contiguous", seed=1, device="cpu"):
     """Keys and values (b, kvh, T, d) as views in various memory layouts."""
     g = torch.Generator().manual_seed(seed)
 
     def rnd(*shape):
-        return torch.randn(*shape, generator=g).to(dtype)
+        return torch.randn(*shape, generator=g).to(device, dtype)
 
     if layout == "contiguous":
         return rnd(b, kvh, T, d), rnd(b, kvh, T, d)
@@ -143,27 +117,29 @@ def make_kv(b, kvh, T, d, dtype, layout="contiguous", seed=1):
 
 def check(
     b, h, kvh, s, d, T, lengths, dtype=torch.float32, *, kv_start=None, scale=None, window=0,
-    softcap=0.0, q_layout="contiguous", kv_layout="contiguous", poison=True, seed=0,
+    softcap=0.0, q_layout="contiguous", kv_layout="contiguous", poison=True, seed=0, device="cpu",
 ):
     """Runs attend on poisoned caches; compares with the float64 reference on clean data
     and, exactly, with attend on the clean data."""
-    lengths = torch.as_tensor(lengths, dtype=torch.int32)
+    lengths = torch.as_tensor(lengths, dtype=torch.int32).to(device)
     if kv_start is not None:
-        kv_start = torch.as_tensor(kv_start, dtype=torch.int64)
-    q = make_q(b, h, s, d, dtype, q_layout, seed)
-    keys, values = make_kv(b, kvh, T, d, dtype, kv_layout, seed + 1)
+        kv_start = torch.as_tensor(kv_start, dtype=torch.int64).to(device)
+    q = make_q(b, h, s, d, dtype, q_layout, seed, device)
+    keys, values = make_kv(b, kvh, T, d, dtype, kv_layout, seed + 1, device)
     kwargs = dict(kv_start=kv_start, scale=scale, window=window, softcap=softcap)
     expected = reference(q, keys, values, lengths, **kwargs)
-    clean = ATTEND(q, keys, values, lengths, **kwargs)
+    with no_host_sync(device):
+        clean = ATTEND(q, keys, values, lengths, **kwargs)
     if poison:
-        unused = unused_slots(b, s, T, lengths, kv_start, window)
+        unused = unused_slots(b, s, T, lengths.cpu(), None if kv_start is None else kv_start.cpu(), window)
         poison_(keys, unused)
         poison_(values, unused)
-    out = ATTEND(q, keys, values, lengths, **kwargs)
+    with no_host_sync(device):
+        out = ATTEND(q, keys, values, lengths, **kwargs)
     assert out.shape == (b, h, s, d) and out.dtype == dtype
     assert out.transpose(1, 2).is_contiguous()  # (batch, seq, heads, head_dim) memory
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out.double(), expected, atol=ATOL[dtype], rtol=RTOL[dtype])
+    assert_close(out, expected, dtype)
     assert torch.equal(out, clean), "unused slots changed the output"
     return out, expected
 
@@ -194,14 +170,14 @@ def shape_id(shape):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-def test_matches_reference(shape, dtype):
+def test_matches_reference(shape, dtype, device):
     b, h, kvh, s, d, T, lengths = shape
-    check(b, h, kvh, s, d, T, lengths, dtype)
+    check(b, h, kvh, s, d, T, lengths, dtype, device=device)
 
 
 @pytest.mark.parametrize("d", [1, 3, 20, 36, 72, 100])
-def test_head_dim_not_multiple_of_8(d):
-    check(2, 4, 2, 3, d, 90, [90, 5])
+def test_head_dim_not_multiple_of_8(d, device):
+    check(2, 4, 2, 3, d, 90, [90, 5], device=device)
 
 
 def test_zero_dim_lengths_applies_to_every_row():
@@ -223,13 +199,13 @@ def test_every_query_sees_exactly_its_prefix():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_left_padding(dtype):
-    check(3, 8, 2, 1, 64, 120, [100, 120, 7], dtype, kv_start=[3, 70, 6])
+def test_left_padding(dtype, device):
+    check(3, 8, 2, 1, 64, 120, [100, 120, 7], dtype, kv_start=[3, 70, 6], device=device)
 
 
-def test_left_padding_queries_that_see_nothing_get_zeros():
+def test_left_padding_queries_that_see_nothing_get_zeros(device):
     # row 0: the first 4 of 7 queries sit before kv_start; row 1: nothing at all
-    out, _ = check(2, 4, 2, 7, 32, 40, [20, 30], kv_start=[16, 30])
+    out, _ = check(2, 4, 2, 7, 32, 40, [20, 30], kv_start=[16, 30], device=device)
     assert torch.equal(out[0, :, :3], torch.zeros_like(out[0, :, :3]))
     assert out[0, :, 3:].abs().sum() > 0
     assert torch.equal(out[1], torch.zeros_like(out[1]))
@@ -241,8 +217,8 @@ def test_kv_start_beyond_a_block_boundary_and_full_cache():
 
 @pytest.mark.parametrize("window", [1, 5, 64, 65, 1000])
 @pytest.mark.parametrize("s", [1, 7, 100])
-def test_window(window, s):
-    check(2, 8, 2, s, 64, 400, [s + 300, 400], window=window)
+def test_window(window, s, device):
+    check(2, 8, 2, s, 64, 400, [s + 300, 400], window=window, device=device)
 
 
 def test_window_with_left_padding_and_softcap_bf16():
@@ -250,13 +226,13 @@ def test_window_with_left_padding_and_softcap_bf16():
 
 
 @pytest.mark.parametrize("softcap", [0.5, 5.0, 50.0])
-def test_softcap(softcap):
-    check(2, 8, 2, 9, 96, 150, [150, 40], softcap=softcap, scale=0.3)
+def test_softcap(softcap, device):
+    check(2, 8, 2, 9, 96, 150, [150, 40], softcap=softcap, scale=0.3, device=device)
 
 
 @pytest.mark.parametrize("scale", [1e-3, 0.05, 1.0, 4.0])
-def test_scale(scale):
-    check(1, 4, 2, 3, 64, 70, [70], scale=scale)
+def test_scale(scale, device):
+    check(1, 4, 2, 3, 64, 70, [70], scale=scale, device=device)
 
 
 def test_large_scores_do_not_overflow():
@@ -266,7 +242,7 @@ def test_large_scores_do_not_overflow():
     values = torch.randn(1, 1, 200, 16)
     lengths = torch.tensor([200], dtype=torch.int32)
     out = ATTEND(q, keys, values, lengths)
-    torch.testing.assert_close(out.double(), reference(q, keys, values, lengths), atol=1e-5, rtol=1.3e-6)
+    assert_close(out, reference(q, keys, values, lengths), torch.float32)
 
 
 # ------------------------------------------------------------- layouts ---
@@ -274,13 +250,13 @@ def test_large_scores_do_not_overflow():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kv_layout", ["transposed", "slice", "fused", "elem_strided", "mixed"])
-def test_cache_layouts(kv_layout, dtype):
-    check(2, 8, 2, 5, 64, 150, [150, 80], dtype, kv_layout=kv_layout, kv_start=[2, 0], window=100)
+def test_cache_layouts(kv_layout, dtype, device):
+    check(2, 8, 2, 5, 64, 150, [150, 80], dtype, kv_layout=kv_layout, kv_start=[2, 0], window=100, device=device)
 
 
 @pytest.mark.parametrize("q_layout", ["transposed", "strided"])
-def test_query_layouts(q_layout):
-    check(2, 8, 4, 6, 128, 100, [100, 50], q_layout=q_layout, kv_layout="transposed")
+def test_query_layouts(q_layout, device):
+    check(2, 8, 4, 6, 128, 100, [100, 50], q_layout=q_layout, kv_layout="transposed", device=device)
 
 
 # --------------------------------------------------- threads and splits ---

@@ -1,4 +1,10 @@
-"""CUDA kernels of every operator against plain-PyTorch references. Skipped without a GPU.
+"""What only CUDA has, for every operator: skipped without a GPU.
+
+Behaviour every device shares (results against the references, layouts, GQA, windows, padding)
+is tested once, with a ``device`` parameter, in the subject's file (test_update.py,
+test_attend.py, test_rows.py). Here: the -1 length convention for bad device values, CUDA
+graphs and reduce-overhead compiles, copy units and alignment, 64-bit offsets, split-K rows,
+and several GPUs.
 
 Each test names the bug it would catch. Every op call runs under
 ``torch.cuda.set_sync_debug_mode("error")`` (``no_sync``), so a hidden host
@@ -10,7 +16,6 @@ around the cache.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
@@ -18,7 +23,9 @@ import torch
 
 import kvcache
 
-from kv_testing import ALL_DTYPES, as_bytes, assert_same, random_tensor, reference_update
+from kv_testing import ALL_DTYPES, as_bytes, assert_same, no_host_sync, random_tensor
+from references import assert_close, attention_reference, select_reference
+from references import update_reference as reference_update
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and kvcache.build_info()["with_cuda"]),
@@ -31,15 +38,9 @@ ops = torch.ops.kvcache
 # ----------------------------------------------------------------- helpers
 
 
-@contextlib.contextmanager
 def no_sync():
     """Any synchronizing CUDA call inside raises (a hidden host read of a device value)."""
-    prev = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(prev)
+    return no_host_sync(DEV)
 
 
 def rand(shape, dtype, seed=0):
@@ -133,44 +134,6 @@ def expected_big(big, cut, new_keys, new_values):
     k.copy_(new_keys)
     v.copy_(new_values)
     return out
-
-
-def reference_attend(q, keys, values, lengths, kv_start=None, scale=None, window=0, softcap=0.0):
-    """Masked softmax attention in float64, reading only slots [kv_start, length) of each row."""
-    b, h, s, d = q.shape
-    group = h // keys.shape[1]
-    scale = d**-0.5 if scale is None else scale
-    lengths = lengths.expand(b).tolist() if lengths.dim() == 0 else lengths.tolist()
-    firsts = [0] * b if kv_start is None else (kv_start.expand(b).tolist() if kv_start.dim() == 0 else kv_start.tolist())
-    out = torch.zeros(b, h, s, d, dtype=torch.float64, device=q.device)
-    for r in range(b):
-        length, first = lengths[r], firsts[r]
-        k = keys[r, :, first:length].double().repeat_interleave(group, 0)  # (h, n, d)
-        v = values[r, :, first:length].double().repeat_interleave(group, 0)
-        scores = q[r].double() @ k.transpose(1, 2) * scale  # (h, s, n)
-        if softcap > 0:
-            scores = softcap * torch.tanh(scores / softcap)
-        pos = torch.arange(s, device=q.device)[:, None] + (length - s)  # each query's slot
-        slot = torch.arange(first, length, device=q.device)[None, :]
-        visible = slot <= pos
-        if window > 0:
-            visible &= slot > pos - window
-        scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query that sees nothing: 0
-        out[r] = probs @ v
-    return out
-
-
-TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-
-
-def assert_close_to_ref(out, ref, dtype):
-    """Within the dtype's tolerance, relative to the output's scale (a masking, GQA or
-    softmax bug moves outputs by O(that scale))."""
-    assert out.dtype == dtype and out.shape == ref.shape
-    err = (out.double() - ref).abs()
-    tol = TOL[dtype] * (1 + (ref.abs().max() if ref.numel() else 0))
-    assert bool((err <= tol).all()), f"max error {err.max().item():.3g} > {float(tol):.3g}"
 
 
 def test_build_info_reports_cuda():
@@ -392,8 +355,8 @@ def test_large_cache_attend():
     kv_start = ints([t - 8, t - 8], torch.int32)
     with no_sync():
         out = ops.attend(q, keys, values, lengths, kv_start=kv_start)
-    ref = reference_attend(q, keys, values, lengths.cpu(), kv_start.cpu())
-    assert_close_to_ref(out, ref, torch.bfloat16)
+    ref = attention_reference(q, keys, values, lengths.cpu(), kv_start.cpu())
+    assert_close(out, ref, torch.bfloat16)
     del keys, values
     torch.cuda.empty_cache()
 
@@ -437,7 +400,7 @@ def test_cuda_graph_update_tensor_and_attend_replayed():
         assert torch.equal(keys, ref_k) and torch.equal(values, ref_v), step
         assert length.tolist() == [step + 1, step + 6]
         lens = torch.tensor([step + 1, step + 6])
-        assert_close_to_ref(out, reference_attend(q, ref_k, ref_v, lens), torch.float32)
+        assert_close(out, attention_reference(q, ref_k, ref_v, lens), torch.float32)
     # Past the end inside the graph: nothing written, lengths -1, attend rows NaN.
     before_k, before_v = keys.clone(), values.clone()
     pos.copy_(ints([t, 0]))
@@ -485,7 +448,7 @@ def test_cuda_graph_append_and_attend_replayed():
             ref_v[r, :, start + i] = vn[r, :, 0]
         assert lengths.tolist() == [x + i + 1 for x in saved.tolist()]
         assert torch.equal(keys, ref_k) and torch.equal(values, ref_v)
-        assert_close_to_ref(out, reference_attend(q, ref_k, ref_v, lengths.cpu()), torch.bfloat16)
+        assert_close(out, attention_reference(q, ref_k, ref_v, lengths.cpu()), torch.bfloat16)
 
 
 @torch.no_grad()
@@ -544,37 +507,6 @@ def attend_case(dtype, batch, heads, kv_heads, head_dim, seq, lengths, max_len, 
     return q, keys, values
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("ratio", [1, 2, 4, 8])
-@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
-@pytest.mark.parametrize("seq", [1, 7])
-def test_attend_decode_and_short_chunks(dtype, ratio, head_dim, seq):
-    """Against float64: GQA ratios, head dims, ragged lengths (== seq, full), NaN/Inf beyond."""
-    kv_heads, max_len = 2, 300
-    lengths = [seq, 300, 123]
-    q, keys, values = attend_case(dtype, 3, kv_heads * ratio, kv_heads, head_dim, seq, lengths, max_len)
-    lens = ints(lengths, torch.int32)
-    with no_sync():
-        out = ops.attend(q, keys, values, lens)
-    assert not out.isnan().any()
-    assert_close_to_ref(out, reference_attend(q, keys, values, lens.cpu()), dtype)
-    # Output memory is (batch, seq, heads, head_dim).
-    assert out.transpose(1, 2).is_contiguous()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("seq", [64, 512])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_attend_prefill_and_chunked_prefill(dtype, seq, head_dim):
-    """seq > 1: prefill from an empty cache (length == seq) and a chunk after earlier content."""
-    lengths = [seq, seq + 200]
-    q, keys, values = attend_case(dtype, 2, 8, 2, head_dim, seq, lengths, seq + 256)
-    lens = ints(lengths)
-    with no_sync():
-        out = ops.attend(q, keys, values, lens)
-    assert_close_to_ref(out, reference_attend(q, keys, values, lens.cpu()), dtype)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("seq", [1, 5, 64])
 def test_attend_kv_start_window_softcap_scale(dtype, seq):
@@ -591,20 +523,8 @@ def test_attend_kv_start_window_softcap_scale(dtype, seq):
     for window, softcap, scale in [(0, 0.0, None), (33, 0.0, None), (0, 30.0, 0.3), (200, 5.0, 0.05)]:
         with no_sync():
             out = ops.attend(q, keys, values, lens, kv_start=firsts, scale=scale, window=window, softcap=softcap)
-        ref = reference_attend(q, keys, values, lens.cpu(), firsts.cpu(), scale, window, softcap)
-        assert_close_to_ref(out, ref, dtype)
-
-
-def test_attend_queries_that_see_nothing_output_zero():
-    lengths, first = [10, 10], [10, 8]  # row 0 sees nothing; row 1: query i sees [8, 7 + i]
-    q, keys, values = attend_case(torch.float32, 2, 2, 2, 64, 4, lengths, 16)
-    lens, firsts = ints(lengths), ints(first)
-    with no_sync():
-        out = ops.attend(q, keys, values, lens, kv_start=firsts)
-    assert torch.equal(out[0], torch.zeros_like(out[0]))
-    assert torch.equal(out[1, :, :2], torch.zeros_like(out[1, :, :2]))  # slots 6, 7 < kv_start
-    ref = reference_attend(q, keys, values, torch.tensor(lengths), torch.tensor(first))
-    assert_close_to_ref(out, ref, torch.float32)
+        ref = attention_reference(q, keys, values, lens.cpu(), firsts.cpu(), scale, window, softcap)
+        assert_close(out, ref, dtype)
 
 
 @pytest.mark.parametrize("batch,kv_heads", [(2, 1), (64, 8)])  # split-K + combine, and one split
@@ -631,8 +551,8 @@ def test_attend_bad_rows_get_nan_and_read_nothing(batch, kv_heads, bad_len, bad_
         out = ops.attend(q, keys, values, lens, kv_start=fst)
     assert bool(out[bad].isnan().all())
     good = [r for r in range(batch) if r != bad]
-    ref = reference_attend(q[good], keys[good], values[good], lens[good].cpu(), fst[good].cpu())
-    assert_close_to_ref(out[good], ref, torch.float32)
+    ref = attention_reference(q[good], keys[good], values[good], lens[good].cpu(), fst[good].cpu())
+    assert_close(out[good], ref, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -642,7 +562,7 @@ def test_attend_strided_transposed_and_misaligned(dtype):
     b, h, kvh, s, d, t = 2, 8, 4, 3, 64, 200
     lengths = [150, 3]
     q, keys, values = attend_case(dtype, b, h, kvh, d, s, lengths, t, poison=False)
-    ref = reference_attend(q, keys, values, torch.tensor(lengths))
+    ref = attention_reference(q, keys, values, torch.tensor(lengths))
     lens = ints(lengths)
     forms = {
         "transposed": lambda x: x.transpose(1, 2).contiguous().transpose(1, 2),
@@ -656,7 +576,7 @@ def test_attend_strided_transposed_and_misaligned(dtype):
             assert torch.equal(args[which], {"q": q, "keys": keys, "values": values}[which])
             with no_sync():
                 out = ops.attend(args["q"], args["keys"], args["values"], lens)
-            assert_close_to_ref(out, ref, dtype)
+            assert_close(out, ref, dtype)
 
 
 def test_attend_matches_cpu_kernel():
@@ -714,20 +634,6 @@ def test_rollback_bad_values_poison_every_length(lengths, n, kv_start):
     assert ln.tolist() == lengths
 
 
-def reference_select(keys, values, lengths, index):
-    """Row b takes row index[b]'s filled slots and length; slots past that keep row b's data."""
-    k, v = keys.clone(), values.clone()
-    lens = lengths.expand(keys.shape[0]).tolist() if lengths.dim() == 0 else lengths.tolist()
-    new = []
-    for b, src in enumerate(index):
-        n = lens[src]
-        if src != b:
-            k[b, :, :n] = keys[src, :, :n]
-            v[b, :, :n] = values[src, :, :n]
-        new.append(n)
-    return k, v, new
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.complex128, torch.bool])
 @pytest.mark.parametrize(
     "index",
@@ -739,13 +645,13 @@ def test_select_rows(dtype, index, layout):
     """Permutations, repeats, subsets: only filled slots move; canaries stay."""
     big, keys, values, cut = with_canaries(4, 3, 50, 24, dtype, layout=layout)
     lengths = ints([50, 0, 17, 33], torch.int32)
-    ek, ev, new = reference_select(keys, values, lengths.cpu(), index)
+    ek, ev, new = select_reference(keys, values, lengths.cpu(), index)
     eb = expected_big(big, cut, ek, ev)
     idx = ints(index)
     with no_sync():
         out = ops.select_rows_(keys, values, lengths, idx)
     assert_same(big, eb)
-    assert out.tolist() == new and lengths.tolist() == [50, 0, 17, 33]
+    assert out.tolist() == new.tolist() and lengths.tolist() == [50, 0, 17, 33]
 
 
 def test_select_rows_0d_lengths_and_misaligned():
@@ -753,8 +659,8 @@ def test_select_rows_0d_lengths_and_misaligned():
     values = rand((3, 2, 20, 6), torch.complex128, 2)[..., ::2]  # element path
     lengths = ints(11)
     index = [2, 2, 0]
-    ek, _, _ = reference_select(bytes_of(keys), bytes_of(keys), lengths.cpu(), index)
-    _, ev, _ = reference_select(values, values, lengths.cpu(), index)
+    ek, _, _ = select_reference(bytes_of(keys), bytes_of(keys), lengths.cpu(), index)
+    _, ev, _ = select_reference(values, values, lengths.cpu(), index)
     idx = ints(index, torch.int32)
     with no_sync():
         out = ops.select_rows_(keys, values, lengths, idx)
@@ -770,12 +676,12 @@ def test_select_rows_several_scratch_rounds():
     keys, values = rand((b, h, t, d), torch.float32, 1), rand((b, h, t, d), torch.float32, 2)
     lengths = ints([16384, 9000, 100, 0, 8193, 8192, 1, 16000], torch.int64)
     index = [7, 0, 0, 4, 1, 5, 3, 6]
-    ek, ev, new = reference_select(keys, values, lengths.cpu(), index)
+    ek, ev, new = select_reference(keys, values, lengths.cpu(), index)
     idx = ints(index)
     with no_sync():
         out = ops.select_rows_(keys, values, lengths, idx)
     assert torch.equal(keys, ek) and torch.equal(values, ev)
-    assert out.tolist() == new
+    assert out.tolist() == new.tolist()
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import kvcache.hf as kh  # noqa: E402
+from references import assert_close, attention_reference  # noqa: E402
 from transformers import (  # noqa: E402
     DynamicCache,
     LlamaConfig,
@@ -543,22 +544,7 @@ def test_batch_repeat_interleave_and_growing_selection():
 
 def _ref_attention(q, k, v, first, last, scale, window=0, softcap=0.0):
     """float64 attention of queries at slots last-seq..last-1 over [first, slot] (and the window)."""
-    q, k, v = q.double(), k.double(), v.double()
-    b, h, s, d = q.shape
-    group = h // k.shape[1]
-    out = torch.zeros(b, h, s, d, dtype=torch.float64)
-    for r in range(b):
-        for i in range(s):
-            p = int(last[r]) - s + i
-            lo = max(int(first[r]), p - window + 1 if window else 0)
-            if lo > p:
-                continue
-            for hh in range(h):
-                sc = (k[r, hh // group, lo : p + 1] @ q[r, hh, i]) * scale
-                if softcap:
-                    sc = softcap * torch.tanh(sc / softcap)
-                out[r, hh, i] = torch.softmax(sc, 0) @ v[r, hh // group, lo : p + 1]
-    return out
+    return attention_reference(q, k, v, torch.tensor(last), torch.tensor(first), scale, window, softcap)
 
 
 class _Module(torch.nn.Module):
@@ -581,7 +567,7 @@ def test_attention_reads_layer_lengths_and_mask_offsets(window):
     out, weights = kh.kvcache_attention(_Module(), q, layer.keys, layer.values, m, scaling=0.3, softcap=2.0)
     assert weights is None and out.shape == (2, 2, 4, 8)
     ref = _ref_attention(q, layer.keys, layer.values, [0, 3], [9, 9], 0.3, window, 2.0)
-    torch.testing.assert_close(out.transpose(1, 2).double(), ref, atol=1e-5, rtol=1e-5)
+    assert_close(out.transpose(1, 2), ref, torch.float32)
 
 
 def test_attention_over_foreign_keys_shifts_offsets():
@@ -594,7 +580,7 @@ def test_attention_over_foreign_keys_shifts_offsets():
     out, _ = kh.kvcache_attention(_Module(), q, full_k[:, :, 4:].contiguous(), full_v[:, :, 4:].contiguous(), m,
                                   scaling=0.5, sliding_window=5)
     ref = _ref_attention(q, full_k, full_v, [7], [10], 0.5, window=5)
-    torch.testing.assert_close(out.transpose(1, 2).double(), ref, atol=1e-5, rtol=1e-5)
+    assert_close(out.transpose(1, 2), ref, torch.float32)
 
 
 def test_registry_is_weak_and_checks_identity():

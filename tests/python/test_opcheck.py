@@ -1,4 +1,8 @@
-"""torch.library.opcheck (schema, autograd registration, fake tensor, AOT dispatch) on every op."""
+"""torch.library.opcheck (schema, autograd registration, fake tensor, AOT dispatch) on every operator.
+
+The operators come from the one list (``kvcache._C.operators``, csrc/ops/operators.h): each has
+samples in ``SAMPLES`` below, and a test fails when one is missing.
+"""
 
 from __future__ import annotations
 
@@ -53,6 +57,93 @@ def test_opcheck_init(dtype):
         test_utils=ALL_CHECKS,
     )
     assert all(v == "SUCCESS" for v in result.values()), result
+
+
+def _cache(batch=2, heads=2, max_len=16, dim=8, dtype=torch.float32):
+    keys = random_tensor((batch, heads, max_len, dim), dtype, seed=3)
+    values = random_tensor((batch, heads, max_len, dim), dtype, seed=4)
+    return keys, values
+
+
+def _append_samples():
+    for lengths in (torch.tensor(2, dtype=torch.int32), torch.tensor([0, 7], dtype=torch.int64)):
+        keys, values = _cache()
+        kn = random_tensor((2, 2, 3, 8), torch.float32, seed=5)
+        vn = random_tensor((2, 2, 3, 8), torch.float32, seed=6)
+        yield (keys, values, lengths, kn, vn), {}
+
+
+def _attend_samples():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        keys, values = _cache(dtype=dtype)
+        q = random_tensor((2, 4, 2, 8), dtype, seed=7)
+        lengths = torch.tensor([5, 16], dtype=torch.int32)
+        yield (q, keys, values, lengths), {}
+        yield (q, keys, values, lengths), {"kv_start": torch.tensor([1, 3]), "window": 3, "softcap": 5.0, "scale": 0.5}
+
+
+def _ring_attend_samples():
+    # A ring of capacity 7 (window 4, sinks 1, max_step 3) after 9 tokens: wrapped.
+    ring = kvcache.init_ring_layer_cache(2, 2, 8, 4, torch.float32, sinks=1, max_step=3)
+    kvcache.update_ring_layer_cache(ring, *_cache(max_len=9), 0)
+    q = random_tensor((2, 4, 2, 8), torch.float32, seed=7)
+    yield (q, ring.keys, ring.values, torch.tensor(9, dtype=torch.int32)), {"window": 4, "positions": ring.positions,
+                                                                            "sinks": 1}
+
+
+def _ring_update_samples():
+    for start in (torch.tensor(3), torch.tensor([0, 9], dtype=torch.int32)):
+        keys, values = _cache(max_len=7)
+        positions = torch.full((2, 7), -1, dtype=torch.int32)
+        kn = random_tensor((2, 2, 3, 8), torch.float32, seed=5)
+        vn = random_tensor((2, 2, 3, 8), torch.float32, seed=6)
+        yield (keys, values, positions, kn, vn, start), {"sinks": 2}
+
+
+def _rollback_samples():
+    yield (torch.tensor([5, 9], dtype=torch.int32), torch.tensor([2, 0], dtype=torch.int32)), {}
+    yield (torch.tensor(6), torch.tensor(1)), {"kv_start": torch.tensor(2)}
+
+
+def _select_rows_samples():
+    for index in (torch.tensor([1, 0]), torch.tensor([1, 1], dtype=torch.int32)):
+        keys, values = _cache()
+        yield (keys, values, torch.tensor([4, 9], dtype=torch.int32), index), {}
+
+
+def _update_samples(start):
+    for keys, values, kn, vn in update_samples():
+        yield (keys, values, kn, vn, start), {}
+
+
+# Samples (args, kwargs) of every operator, by its dispatcher name.
+SAMPLES = {
+    "init_layer_cache": lambda: [((2, 3, 8, 16), {"dtype": d, "device": torch.device("cpu")}) for d in (None, torch.bfloat16)],
+    "update_": lambda: _update_samples(5),
+    "update_.Tensor": lambda: _update_samples(torch.tensor([0, 9], dtype=torch.int32)),
+    "append_": _append_samples,
+    "attend": lambda: [*_attend_samples(), *_ring_attend_samples()],
+    "ring_update_": _ring_update_samples,
+    "rollback": _rollback_samples,
+    "select_rows_": _select_rows_samples,
+}
+OPERATORS = [op["name"] for op in kvcache._C.operators]
+
+
+def test_every_operator_has_samples():
+    assert sorted(SAMPLES) == sorted(OPERATORS)
+
+
+@pytest.mark.parametrize("name", OPERATORS)
+def test_opcheck_every_operator(name):
+    op, _, overload = name.partition(".")
+    overload_packet = getattr(torch.ops.kvcache, op)
+    handle = getattr(overload_packet, overload or "default")
+    samples = list(SAMPLES[name]())
+    assert samples
+    for args, kwargs in samples:
+        result = opcheck(handle, args, kwargs, test_utils=ALL_CHECKS)
+        assert set(result) == set(ALL_CHECKS) and all(v == "SUCCESS" for v in result.values()), (name, result)
 
 
 def test_fake_update_raises_same_errors():

@@ -29,6 +29,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 import kvcache  # noqa: E402,F401
 from kv_testing import ALL_DTYPES, random_tensor  # noqa: E402
+from references import assert_close, attention_reference  # noqa: E402
 
 _COMMON = dict(
     deadline=None,
@@ -327,31 +328,6 @@ def test_new_data_alias_check_is_exact(data, shape):
 # ---------------------------------------------------------------------------
 
 
-def attend_reference(q, keys, values, lengths, kv_start, scale, window, softcap):
-    b, nh, seq, d = q.shape
-    kvh = keys.shape[1]
-    group = nh // kvh if kvh else 1
-    out = torch.zeros(b, nh, seq, d, dtype=torch.float64)
-    q64, k64, v64 = q.double(), keys.double(), values.double()
-    for i in range(b):
-        length = int(lengths[i] if lengths.dim() else lengths)
-        first = 0 if kv_start is None else int(kv_start[i] if kv_start.dim() else kv_start)
-        for hh in range(nh):
-            kh = hh // group
-            for j in range(seq):
-                p = length - seq + j
-                lo = first if window <= 0 else max(first, p - window + 1)
-                if lo > p:
-                    continue
-                s = (k64[i, kh, lo : p + 1] @ q64[i, hh, j]) * scale
-                if softcap > 0:
-                    s = softcap * torch.tanh(s / softcap)
-                w = torch.softmax(s, 0)
-                out[i, hh, j] = w @ v64[i, kh, lo : p + 1]
-    return out
-
-
-TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (3e-2, 3e-2), torch.float16: (4e-3, 4e-3)}
 
 
 @given(data=st.data(), b=st.integers(0, 3), kvh=st.integers(0, 2), group=st.integers(1, 3), d=st.integers(1, 8),
@@ -404,9 +380,9 @@ def test_attend_matches_float64_reference(data, b, kvh, group, d, t, dtype, layo
         out = ops.attend(q, keys, values, lengths, kv_start=kv_start, scale=scale, window=window, softcap=softcap)
         assert out.shape == q.shape and out.dtype == dtype
         eff_scale = scale if scale is not None else d**-0.5
-        ref = attend_reference(q, keys, values, lengths.expand(b) if b else lengths, kv_start, eff_scale, window, softcap)
-        atol, rtol = TOL[dtype]
-        torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
+        ref = attention_reference(q, keys, values, lengths.expand(b) if b else lengths, kv_start, eff_scale,
+                                  window, softcap)
+        assert_close(out, ref, dtype)
     for x, y in zip(bufs + [q, lengths], before):
         assert same_bytes(x, y), "attend wrote to an input"
 

@@ -374,25 +374,3 @@ def test_export_ring_step():
         want = Step()(*b, q, kn, vn)
         assert torch.equal(got, want)
     assert torch.equal(a[2], b[2]) and torch.equal(a[3], b[3])
-
-
-def test_opcheck_ring_ops():
-    from torch.library import opcheck
-
-    checks = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
-    for start in (torch.tensor(3), torch.tensor([0, 9], dtype=torch.int32)):
-        keys, values = torch.zeros(2, 2, 7, 8), torch.zeros(2, 2, 7, 8)
-        pos = torch.full((2, 7), -1, dtype=torch.int32)
-        kn, vn = torch.randn(2, 2, 3, 8), torch.randn(2, 2, 3, 8)
-        res = opcheck(torch.ops.kvcache.ring_update_.default, (keys, values, pos, kn, vn, start), {"sinks": 2},
-                      test_utils=checks)
-        assert all(v == "SUCCESS" for v in res.values()), res
-    ring = kvcache.init_ring_layer_cache(2, 1, 8, 4, torch.float32, sinks=1, max_step=2)
-    kvcache.update_ring_layer_cache(ring, torch.randn(2, 1, 9, 8), torch.randn(2, 1, 9, 8), 0)
-    res = opcheck(
-        torch.ops.kvcache.attend.default,
-        (torch.randn(2, 2, 2, 8), ring.keys, ring.values, torch.tensor(9, dtype=torch.int32)),
-        {"window": 4, "positions": ring.positions, "sinks": 1},
-        test_utils=checks,
-    )
-    assert all(v == "SUCCESS" for v in res.values()), res

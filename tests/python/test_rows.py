@@ -8,16 +8,18 @@ import torch
 import kvcache
 
 from kv_testing import ALL_DTYPES, assert_same, random_tensor
+from kv_testing import device  # noqa: F401  (the device fixture)
+from references import select_reference
 
 B, H, T, D = 4, 2, 16, 8
 
 
-def ragged_cache(dtype=torch.float32, lengths=(5, 16, 0, 9), length_dtype=torch.int32, seed=0):
+def ragged_cache(dtype=torch.float32, lengths=(5, 16, 0, 9), length_dtype=torch.int32, seed=0, device="cpu"):
     """A cache whose rows hold random data up to different lengths (and other junk after)."""
-    cache = kvcache.init_kv_layer_cache(B, H, D, T, dtype)
-    cache.keys.copy_(random_tensor((B, H, T, D), dtype, seed=seed))
-    cache.values.copy_(random_tensor((B, H, T, D), dtype, seed=seed + 1))
-    return kvcache.KVLayerCache(cache.keys, cache.values, torch.tensor(lengths, dtype=length_dtype))
+    cache = kvcache.init_kv_layer_cache(B, H, D, T, dtype, device=device)
+    cache.keys.copy_(random_tensor((B, H, T, D), dtype, device, seed=seed))
+    cache.values.copy_(random_tensor((B, H, T, D), dtype, device, seed=seed + 1))
+    return kvcache.KVLayerCache(cache.keys, cache.values, torch.tensor(lengths, dtype=length_dtype, device=device))
 
 
 def filled(cache, b):
@@ -29,11 +31,11 @@ def filled(cache, b):
 
 
 @pytest.mark.parametrize("n_dtype", [torch.int32, torch.int64])
-def test_rollback_per_row_moves_lengths_only(n_dtype):
-    cache = ragged_cache()
+def test_rollback_per_row_moves_lengths_only(n_dtype, device):
+    cache = ragged_cache(device=device)
     keys, values = cache.keys.clone(), cache.values.clone()
     address = cache.length.data_ptr()
-    out = kvcache.rollback_kv_layer_cache(cache, torch.tensor([2, 16, 0, 9], dtype=n_dtype))
+    out = kvcache.rollback_kv_layer_cache(cache, torch.tensor([2, 16, 0, 9], dtype=n_dtype, device=device))
     assert out is cache and cache.length.data_ptr() == address  # in place, same tensor
     assert cache.length.tolist() == [3, 0, 0, 0] and cache.length.dtype == torch.int32
     assert torch.equal(cache.keys, keys) and torch.equal(cache.values, values)  # nothing copied
@@ -122,16 +124,7 @@ def test_rollback_op_returns_new_tensor():
 
 
 def reference_select(cache, index):
-    """Row b takes row index[b]'s filled slots (cloned reference); beyond them, row b keeps its bytes."""
-    keys, values = cache.keys.clone(), cache.values.clone()
-    lengths = cache.length.clone()
-    for b, src in enumerate(index):
-        n = int(cache.length[src]) if cache.length.dim() else int(cache.length)
-        keys[b, :, :n] = cache.keys[src, :, :n]
-        values[b, :, :n] = cache.values[src, :, :n]
-        if cache.length.dim():
-            lengths[b] = cache.length[src]
-    return keys, values, lengths
+    return select_reference(cache.keys, cache.values, cache.length, index)
 
 
 @pytest.mark.parametrize(
@@ -140,11 +133,11 @@ def reference_select(cache, index):
     ids=["identity", "reverse", "swap-pairs", "fork-one", "repeats", "subset"],
 )
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_select_rows_matches_indexing_a_clone(index, index_dtype):
-    cache = ragged_cache()
+def test_select_rows_matches_indexing_a_clone(index, index_dtype, device):
+    cache = ragged_cache(device=device)
     ref_k, ref_v, ref_len = reference_select(cache, index)
     addresses = (cache.keys.data_ptr(), cache.values.data_ptr(), cache.length.data_ptr())
-    kvcache.select_kv_layer_cache_rows(cache, torch.tensor(index, dtype=index_dtype))
+    kvcache.select_kv_layer_cache_rows(cache, torch.tensor(index, dtype=index_dtype, device=device))
     assert (cache.keys.data_ptr(), cache.values.data_ptr(), cache.length.data_ptr()) == addresses
     assert_same(cache.length, ref_len)
     for b in range(B):  # the filled part of every row is the source's

@@ -7,24 +7,26 @@ import torch
 
 import kvcache
 
-from kv_testing import ALL_DTYPES, assert_same, filled_cache, random_kv, random_tensor, reference_update
+from kv_testing import ALL_DTYPES, assert_same, filled_cache, random_kv, random_tensor
+from kv_testing import device  # noqa: F401  (the device fixture)
+from references import update_reference as reference_update
 
 B, H, T, D = 2, 3, 16, 8
 
 
-def make_cache(dtype=torch.float32, b=B, h=H, t=T, d=D):
-    return filled_cache(b, h, t, d, dtype)
+def make_cache(dtype=torch.float32, b=B, h=H, t=T, d=D, device="cpu"):
+    return filled_cache(b, h, t, d, dtype, device)
 
 
-def new_kv(chunk, dtype=torch.float32, b=B, h=H, d=D, seed=0):
-    return random_kv(b, h, chunk, d, dtype, seed=seed)
+def new_kv(chunk, dtype=torch.float32, b=B, h=H, d=D, seed=0, device="cpu"):
+    return random_kv(b, h, chunk, d, dtype, device, seed=seed)
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 @pytest.mark.parametrize("start,chunk", [(0, 1), (5, 3), (0, T), (T - 1, 1), (7, 0)])
-def test_update_int_start_all_dtypes(dtype, start, chunk):
-    cache = make_cache(dtype)
-    kn, vn = new_kv(chunk, dtype)
+def test_update_int_start_all_dtypes(dtype, start, chunk, device):
+    cache = make_cache(dtype, device=device)
+    kn, vn = new_kv(chunk, dtype, device=device)
     exp_k, exp_v = reference_update(cache.keys, cache.values, kn, vn, start)
     out = kvcache.update_kv_layer_cache(cache, kn, vn, start)
     assert_same(cache.keys, exp_k)
@@ -36,11 +38,11 @@ def test_update_int_start_all_dtypes(dtype, start, chunk):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.bool])
 @pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64])
-def test_update_tensor_start_scalar(dtype, pos_dtype):
-    cache = make_cache(dtype)
-    kn, vn = new_kv(4, dtype)
+def test_update_tensor_start_scalar(dtype, pos_dtype, device):
+    cache = make_cache(dtype, device=device)
+    kn, vn = new_kv(4, dtype, device=device)
     exp_k, exp_v = reference_update(cache.keys, cache.values, kn, vn, 6)
-    out = kvcache.update_kv_layer_cache(cache, kn, vn, torch.tensor(6, dtype=pos_dtype))
+    out = kvcache.update_kv_layer_cache(cache, kn, vn, torch.tensor(6, dtype=pos_dtype, device=device))
     assert_same(cache.keys, exp_k)
     assert_same(cache.values, exp_v)
     assert out.length.dtype == torch.int32 and out.length.shape == ()
@@ -48,13 +50,13 @@ def test_update_tensor_start_scalar(dtype, pos_dtype):
 
 
 @pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64])
-def test_update_ragged_positions(pos_dtype):
+def test_update_ragged_positions(pos_dtype, device):
     b = 4
-    cache = make_cache(b=b)
-    kn, vn = new_kv(3, b=b)
+    cache = make_cache(b=b, device=device)
+    kn, vn = new_kv(3, b=b, device=device)
     starts = [0, 5, 13, 9]
     exp_k, exp_v = reference_update(cache.keys, cache.values, kn, vn, starts)
-    out = kvcache.update_kv_layer_cache(cache, kn, vn, torch.tensor(starts, dtype=pos_dtype))
+    out = kvcache.update_kv_layer_cache(cache, kn, vn, torch.tensor(starts, dtype=pos_dtype, device=device))
     assert_same(cache.keys, exp_k)
     assert_same(cache.values, exp_v)
     assert out.length.dtype == torch.int32

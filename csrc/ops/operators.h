@@ -1,0 +1,110 @@
+// The one list of kvcache's operators. Everything that enumerates them is
+// derived from it: the schemas and kernel table (csrc/schema.cpp), the
+// CUDA-built check (csrc/build_info.cpp), the trace-time checks exposed to
+// Python (csrc/python/module.cpp, read back by python/kvcache/_fake.py as
+// kvcache._C.operators()), scripts/check_cuda_build.sh and the C++ and
+// Python tests.
+//
+// X(id, name, kind, stub, schema)
+//   id      the C++ name: the entry point is kvcache::ops::<id>, the
+//           trace-time check kvcache::detail::trace_check_<id> (both with
+//           the schema's arguments), the Python check kvcache._C.check_<id>
+//   name    the dispatcher's name, "op" or "op.Overload"
+//   kind    Factory: no tensor input, one CompositeExplicitAutograd kernel;
+//           Write: mutates its (a!) tensors (backends, autograd refusal,
+//           version bump, lazy conj/neg refusal);
+//           Read: backends, autograd refusal, conj/neg materialized
+//   stub    the DeviceStub holding its CPU and CUDA work (NoStub: none)
+//   schema  the schema after "kvcache::"
+//
+// What each operator does (the full contract is in its csrc/ops/<op>.h):
+//   init_layer_cache  zero-filled keys and values (batch_size, num_kv_heads,
+//       max_len, head_dim), two separate buffers of `dtype` (default: the
+//       global default dtype) on `device` (default: CPU), and an int32 0-D
+//       length holding 0 on the same device.
+//   update_ / update_.Tensor  write keys_new / values_new (batch,
+//       num_kv_heads, chunk, head_dim) into rows [start, start + chunk) of
+//       dim 2 of keys / values, in place, both buffers in one pass; return
+//       the new length start + chunk as a new int32 tensor aliasing no input
+//       (one dispatch per decode step). A host start (a SymInt: a changing
+//       Python int does not recompile) or a start tensor read on the device
+//       (int32/int64, 0-D or (batch,); no host sync, CUDA-graph safe), as
+//       fill_.Scalar / fill_.Tensor.
+//   append_  update_.Tensor at start = lengths, lengths advanced by chunk in
+//       place: one call per layer per step on a caller-owned length tensor.
+//   attend  attention of q (batch, num_heads, seq, head_dim) over the filled
+//       slots: query i of row b sits at slot lengths[b] - seq + i and sees
+//       the slots from kv_start[b] (default 0) up to itself (with window > 0
+//       the last `window` of them); slots outside [kv_start, lengths) are
+//       never read. GQA, scale (default head_dim ** -0.5), softcap; returns
+//       (batch, num_heads, seq, head_dim) in q's dtype.
+//   rollback  lengths - n as a new tensor, refusing to go below kv_start.
+//       With positions ((batch, max_len) int32, a ring's record of the
+//       logical position in each slot, -1: empty) the cache is read by
+//       position: query i sits at position lengths[b] - seq + i and sees the
+//       slots whose position q has kv_start[b] <= q <= p and (q < sinks or
+//       p - q < window) (csrc/core/visibility.h); a query that finds fewer
+//       of them than that rule asks for (a ring that lost a position) gets
+//       NaN.
+//   select_rows_  row b of keys and values takes the filled slots of row
+//       index[b], in place; returns lengths[index].
+//   ring_update_  writes keys_new / values_new into a ring (keys / values
+//       (batch, num_kv_heads, capacity, head_dim)) at the logical positions
+//       [start_b, start_b + chunk), and records them in positions, in one
+//       pass: position p goes to slot p if p < sinks, else sinks + (p -
+//       sinks) mod (capacity - sinks); only what the ring keeps is written
+//       (the sinks and the last capacity - sinks positions). start: int32/
+//       int64, 0-D or (batch,), read on the device. Returns start + chunk
+//       (int32); on CUDA a bad start writes nothing and returns -1.
+//
+// Adding an operator: a line here; csrc/ops/<op>.{h,cpp} (its checks with
+// trace_check_<id>, and the entry point); csrc/cpu/<op>.cpp and
+// csrc/cuda/<op>.cu (the work); its output allocation in
+// python/kvcache/_fake.py; its Python and C++ API; its tests.
+#pragma once
+
+#define KVCACHE_OPERATORS(X)                                                  \
+  X(init_layer_cache, "init_layer_cache", Factory, NoStub,                   \
+    "init_layer_cache(SymInt batch_size, SymInt num_kv_heads, "               \
+    "SymInt head_dim, SymInt max_len, *, ScalarType? dtype=None, "            \
+    "Device? device=None) -> (Tensor, Tensor, Tensor)")                       \
+  X(update_, "update_", Write, update_stub,                                   \
+    "update_(Tensor(a!) keys, Tensor(b!) values, Tensor keys_new, "           \
+    "Tensor values_new, SymInt start) -> Tensor")                             \
+  X(update_tensor_, "update_.Tensor", Write, update_stub,                     \
+    "update_.Tensor(Tensor(a!) keys, Tensor(b!) values, Tensor keys_new, "    \
+    "Tensor values_new, Tensor start) -> Tensor")                             \
+  X(append_, "append_", Write, update_stub,                                   \
+    "append_(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) lengths, "        \
+    "Tensor keys_new, Tensor values_new) -> ()")                              \
+  X(attend, "attend", Read, attend_stub,                                      \
+    "attend(Tensor q, Tensor keys, Tensor values, Tensor lengths, *, "        \
+    "Tensor? kv_start=None, float? scale=None, int window=0, "                \
+    "float softcap=0.0, Tensor? positions=None, int sinks=0) -> Tensor")      \
+  X(rollback, "rollback", Read, rollback_stub,                                \
+    "rollback(Tensor lengths, Tensor n, *, Tensor? kv_start=None) -> Tensor") \
+  X(select_rows_, "select_rows_", Write, select_rows_stub,                    \
+    "select_rows_(Tensor(a!) keys, Tensor(b!) values, Tensor lengths, "       \
+    "Tensor index) -> Tensor")                                                \
+  X(ring_update_, "ring_update_", Write, ring_update_stub,                    \
+    "ring_update_(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) positions, " \
+    "Tensor keys_new, Tensor values_new, Tensor start, *, int sinks=0) "      \
+    "-> Tensor")
+
+#include "../core/device_stub.h"
+
+namespace kvcache {
+namespace detail {
+
+// The stub column of an operator without device work (init_layer_cache).
+struct NoStubType {};
+inline constexpr NoStubType NoStub{};
+
+constexpr bool has_cuda_work(NoStubType) { return true; }
+template <typename Fn>
+bool has_cuda_work(const DeviceStub<Fn>& stub) {
+  return stub.cuda != nullptr;
+}
+
+}  // namespace detail
+}  // namespace kvcache
