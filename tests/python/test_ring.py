@@ -119,7 +119,8 @@ def test_ring_matches_reference_fp32(window, sinks):
 @pytest.mark.parametrize("sinks", [0, 4])
 def test_ring_matches_reference_window_4096(sinks):
     # A large window: few, long chunks (the schedule's W-1, W, W+1 take the long-chunk path).
-    worst, wraps, linear = run_ring(4096, sinks, torch.float32, max_step=64, batch=2, d=8)
+    # batch 1 for CI time (the ragged batch of 4 runs at the small windows).
+    worst, wraps, linear = run_ring(4096, sinks, torch.float32, max_step=64, batch=1, d=8)
     assert wraps >= 3
     # float32 sums over 4096 keys in another order than the reference's: a few 1e-6 relative
     # against float64, and against the linear cache's attend (whose slot order differs).
