@@ -9,6 +9,7 @@
 
 #include "../core/checks.h"
 #include "../core/tensor_params.h"
+#include "ring.h"
 
 namespace kvcache {
 namespace detail {
@@ -27,7 +28,9 @@ AttendRows check_attend(const at::Tensor& q, const at::Tensor& keys,
                         const at::Tensor& values, const at::Tensor& lengths,
                         const std::optional<at::Tensor>& kv_start,
                         std::optional<double> scale, int64_t window,
-                        double softcap, bool values_known) {
+                        double softcap, bool values_known,
+                        const std::optional<at::Tensor>& positions,
+                        int64_t sinks) {
   check_dense(q, "q");
   check_dense(keys, "keys");
   check_dense(values, "values");
@@ -103,6 +106,15 @@ AttendRows check_attend(const at::Tensor& q, const at::Tensor& keys,
                       "compute in float32)");
   }
 
+  const bool ring = positions.has_value();
+  if (ring) {
+    check_positions(*positions, batch, max_len, dev);
+  }
+  TORCH_CHECK_VALUE(sinks >= 0, "sinks must be >= 0, got ", sinks);
+  TORCH_CHECK_VALUE(sinks == 0 || ring,
+                    "sinks=", sinks, " needs positions (a ring cache); a "
+                    "linear cache has no sinks");
+
   AttendRows rows;
   if (!values_known || !dev.is_cpu()) {
     return rows;
@@ -116,8 +128,10 @@ AttendRows check_attend(const at::Tensor& q, const at::Tensor& keys,
     TORCH_CHECK_VALUE(len >= s, "lengths must be >= seq=", s,
                       " (the queries are the last seq filled slots), got ", len,
                       at_index(lengths, b));
-    TORCH_CHECK_VALUE(len <= cap, "lengths must be <= max_len=", cap, ", got ",
-                      len, at_index(lengths, b));
+    // A ring's lengths are logical positions, bounded only by int32.
+    TORCH_CHECK_VALUE(len <= (ring ? kMaxLen : cap),
+                      ring ? "lengths must be <= " : "lengths must be <= max_len=",
+                      ring ? kMaxLen : cap, ", got ", len, at_index(lengths, b));
     rows.lengths[b] = len;
   }
   if (kv_start.has_value()) {
@@ -149,9 +163,11 @@ void strides_of(const at::Tensor& t, int64_t* out) {
 at::Tensor attend(const at::Tensor& q, const at::Tensor& keys,
                   const at::Tensor& values, const at::Tensor& lengths,
                   const std::optional<at::Tensor>& kv_start,
-                  std::optional<double> scale, int64_t window, double softcap) {
+                  std::optional<double> scale, int64_t window, double softcap,
+                  const std::optional<at::Tensor>& positions, int64_t sinks) {
   const auto rows = detail::check_attend(q, keys, values, lengths, kv_start,
-                                         scale, window, softcap, true);
+                                         scale, window, softcap, true,
+                                         positions, sinks);
   // (batch, seq, heads, head_dim) memory: the caller's transpose(1, 2) and
   // reshape to (batch, seq, heads * head_dim) is then a free view.
   at::Tensor out =
@@ -179,6 +195,12 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys,
       scale.value_or(p.head_dim > 0 ? 1.0 / std::sqrt(double(p.head_dim)) : 1.0));
   p.softcap = static_cast<float>(softcap);
   p.window = window;
+  if (positions.has_value()) {
+    p.positions = positions->const_data_ptr<int32_t>();
+    p.pos_stride[0] = positions->stride(0);
+    p.pos_stride[1] = positions->stride(1);
+  }
+  p.sinks = sinks;
   p.lengths = detail::int_rows(lengths);
   if (kv_start.has_value()) p.kv_start = detail::int_rows(*kv_start);
   p.host_lengths = rows.lengths.empty() ? nullptr : rows.lengths.data();

@@ -27,6 +27,18 @@ from .cache import (  # noqa: E402
     update_kv_layer_cache,
 )
 from .config import TransformerConfig  # noqa: E402
+from .ring import (  # noqa: E402
+    RingKV,
+    RingLayerCache,
+    append_ring_layer_cache,
+    attend_ring,
+    init_ring_layer_cache,
+    reset_rows_ring_layer_cache,
+    rollback_ring_layer_cache,
+    select_rows_ring_layer_cache,
+    update_ring_layer_cache,
+    write_ring_layer_cache,
+)
 
 
 def build_info() -> dict:
@@ -43,7 +55,17 @@ def build_info() -> dict:
 
 __all__ = [
     "KVLayerCache",
+    "RingKV",
+    "RingLayerCache",
     "TransformerConfig",
+    "append_ring_layer_cache",
+    "attend_ring",
+    "init_ring_layer_cache",
+    "reset_rows_ring_layer_cache",
+    "rollback_ring_layer_cache",
+    "select_rows_ring_layer_cache",
+    "update_ring_layer_cache",
+    "write_ring_layer_cache",
     "append_kv_layer_cache",
     "attend",
     "build_info",

@@ -36,7 +36,7 @@ def _update_tensor(keys, values, keys_new, values_new, start):
     return keys.new_empty(start.shape, dtype=torch.int32)
 
 
-def _attend(q, keys, values, lengths, *, kv_start=None, scale=None, window=0, softcap=0.0):
+def _attend(q, keys, values, lengths, *, kv_start=None, scale=None, window=0, softcap=0.0, positions=None, sinks=0):
     b, h, s, d = q.shape
     # (batch, seq, heads, head_dim) memory, as the kernels allocate it.
     return q.new_empty((b, s, h, d)).transpose(1, 2)
@@ -54,6 +54,10 @@ def _none(*args, **kwargs):
     return None
 
 
+def _ring_update(keys, values, positions, keys_new, values_new, start, *, sinks=0):
+    return keys.new_empty(start.shape, dtype=torch.int32)
+
+
 # Outputs of each operator, by the id in csrc/ops/operators.h.
 _OUTPUTS = {
     "init_layer_cache": _init_layer_cache,
@@ -66,6 +70,7 @@ _OUTPUTS = {
     "append_returning_": lambda keys, values, lengths, keys_new, values_new: _new_lengths(lengths),
     "reset_rows": _new_lengths,
     "check_lengths_writable": _none,
+    "ring_update_": _ring_update,
 }
 
 

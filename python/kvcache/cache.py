@@ -324,7 +324,10 @@ def attend(
             cache's dtype (float32, bfloat16 or float16); ``num_heads`` a
             multiple of ``num_kv_heads`` (grouped-query attention).
         cache: The layer's cache, already updated with this step's keys and
-            values.
+            values; or a ring (:class:`kvcache.RingLayerCache`, or the
+            :class:`kvcache.RingKV` of :func:`kvcache.write_ring_layer_cache`),
+            read by position with the ring's window and sinks (see
+            :func:`kvcache.ring.attend_ring`).
         kv_start: ``(batch,)`` int tensor: the first valid slot of each row
             (left padding); ``None`` means 0.
         scale: Score scale; ``None`` means ``head_dim ** -0.5``.
@@ -353,7 +356,7 @@ def attend(
             q, cache.keys, cache.values, cache.length, kv_start=kv_start, scale=scale, window=window_, softcap=softcap_
         )
     if not isinstance(cache, KVLayerCache):
-        raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
+        return _attend_ring(q, cache, kv_start, scale, window, softcap)
     return _attend_op(
         q,
         cache.keys,
@@ -364,6 +367,18 @@ def attend(
         window=window_,
         softcap=softcap_,
     )
+
+
+@torch.jit.unused
+def _attend_ring(q, cache, kv_start, scale, window, softcap) -> torch.Tensor:
+    # Rings (kvcache.ring): Python only (TorchScript compiles attend for KVLayerCache).
+    from .ring import RingKV, RingLayerCache, attend_ring
+
+    if not isinstance(cache, (RingLayerCache, RingKV)):
+        raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
+    if window is not None and window != cache.window:
+        raise ValueError(f"window={window} differs from the ring's window={cache.window}")
+    return attend_ring(q, cache, kv_start=kv_start, scale=scale, softcap=softcap)
 
 
 def rollback_kv_layer_cache(

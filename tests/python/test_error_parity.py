@@ -127,6 +127,26 @@ def w_reset(k, v, length, rows):
 
 def expanded_length(dtype=torch.int64, value=1):
     return torch.tensor(value, dtype=dtype).expand(B)
+def ring(k, v, pos, kn, vn, s, sinks=0):
+    return ops.ring_update_(k, v, pos, kn, vn, s, sinks=sinks)
+
+
+def ring_sinks(sinks):
+    return lambda k, v, pos, kn, vn, s: ops.ring_update_(k, v, pos, kn, vn, s, sinks=sinks)
+
+
+def ring_pos(shape=(B, T), dtype=torch.int32):
+    return torch.full(shape, -1, dtype=dtype)
+
+
+def att_ring(q, k, v, lengths, pos, sinks=0, window=4):
+    return ops.attend(q, k, v, lengths, window=window, positions=pos, sinks=sinks)
+
+
+def ring_pos_in_keys():
+    k, v = torch.zeros(B, H, T, D, dtype=torch.int32), torch.zeros(B, H, T, D, dtype=torch.int32)
+    one = torch.ones(B, H, 1, D, dtype=torch.int32)
+    return (k, v, k[:, 0, :, 0], one, one.clone(), torch.tensor(0))
 
 
 def init(*sizes, dtype=None):
@@ -342,6 +362,24 @@ CASES = [
     Case("reset_rows/rows-device", rst, lambda: (torch.tensor([3, 4]), torch.tensor([0], device="meta"))),
     Case("reset_rows/rows-negative", rst, lambda: (torch.tensor([3, 4]), torch.tensor([-1])), runtime=True),
     Case("reset_rows/rows-out-of-range", rst, lambda: (torch.tensor([3, 4]), torch.tensor([0, 2])), runtime=True),
+    # --- ring_update_ ---
+    Case("ring_update_/positions-int64", ring, lambda: (*cache(), ring_pos(dtype=torch.int64), *new(1), torch.tensor(0))),
+    Case("ring_update_/positions-shape", ring, lambda: (*cache(), ring_pos((B, T + 1)), *new(1), torch.tensor(0))),
+    Case("ring_update_/positions-in-keys", ring, ring_pos_in_keys),
+    Case("ring_update_/keys_new-head_dim", ring, lambda: (*cache(), ring_pos(), *new(1, D + 1), torch.tensor(0))),
+    Case("ring_update_/start-float", ring, lambda: (*cache(), ring_pos(), *new(1), torch.tensor(0.0))),
+    Case("ring_update_/sinks-negative", ring_sinks(-1), lambda: (*cache(), ring_pos(), *new(1), torch.tensor(0))),
+    Case("ring_update_/sinks-capacity", ring_sinks(T), lambda: (*cache(), ring_pos(), *new(1), torch.tensor(0))),
+    Case("ring_update_/start-negative", ring, lambda: (*cache(), ring_pos(), *new(1), torch.tensor([0, -1])),
+         runtime=True),
+    Case("ring_update_/start-int32-overflow", ring,
+         lambda: (*cache(), ring_pos(), *new(2), torch.tensor(2**31 - 2)), runtime=True),
+    # --- attend over a ring ---
+    Case("attend/positions-shape", att_ring, lambda: (q_(), *cache(), torch.tensor(3), ring_pos((B, T - 1)))),
+    Case("attend/positions-int64", att_ring, lambda: (q_(), *cache(), torch.tensor(3), ring_pos(dtype=torch.int64))),
+    Case("attend/sinks-without-positions", att(sinks=2), lambda: (q_(), *cache(), torch.tensor(3))),
+    Case("attend/ring-lengths-over-int32", att_ring, lambda: (q_(), *cache(), torch.tensor(2**31), ring_pos()),
+         runtime=True),
     # --- init_layer_cache ---
     Case("init_layer_cache/negative-batch", init(-1, 2, 4, 8), lambda: ()),
     Case("init_layer_cache/max_len-2^31", init(1, 1, 1, 2**31), lambda: ()),
@@ -420,7 +458,7 @@ def test_traced_error_is_eager_error(case, mode):
 def test_table_covers_every_operator():
     names = {c.id.split("/")[0] for c in CASES}
     assert names == {"update_", "update_.Tensor", "append_", "append_returning_", "attend", "rollback_",
-                     "select_rows_", "reset_rows", "init_layer_cache", "append_kv_layer_cache",
+                     "select_rows_", "reset_rows", "init_layer_cache", "ring_update_", "append_kv_layer_cache",
                      "rollback_kv_layer_cache", "select_rows_kv_layer_cache", "reset_rows_kv_layer_cache"}
     assert all(isinstance(run_eager(c), (ValueError, TypeError)) for c in CASES if "requires-grad" not in c.id)
 

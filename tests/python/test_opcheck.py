@@ -91,6 +91,24 @@ def _attend_samples():
         yield (q, keys, values, lengths), {"kv_start": torch.tensor([1, 3]), "window": 3, "softcap": 5.0, "scale": 0.5}
 
 
+def _ring_attend_samples():
+    # A ring of capacity 7 (window 4, sinks 1, max_step 3) after 9 tokens: wrapped.
+    ring = kvcache.init_ring_layer_cache(2, 2, 8, 4, torch.float32, sinks=1, max_step=3)
+    kvcache.update_ring_layer_cache(ring, *_cache(max_len=9), 0)
+    q = random_tensor((2, 4, 2, 8), torch.float32, seed=7)
+    yield (q, ring.keys, ring.values, torch.tensor(9, dtype=torch.int32)), {"window": 4, "positions": ring.positions,
+                                                                            "sinks": 1}
+
+
+def _ring_update_samples():
+    for start in (torch.tensor(3), torch.tensor([0, 9], dtype=torch.int32)):
+        keys, values = _cache(max_len=7)
+        positions = torch.full((2, 7), -1, dtype=torch.int32)
+        kn = random_tensor((2, 2, 3, 8), torch.float32, seed=5)
+        vn = random_tensor((2, 2, 3, 8), torch.float32, seed=6)
+        yield (keys, values, positions, kn, vn, start), {"sinks": 2}
+
+
 def _rollback_samples():
     yield (torch.tensor([5, 9], dtype=torch.int32), torch.tensor([2, 0], dtype=torch.int32)), {}
     yield (torch.tensor(6), torch.tensor(1)), {"kv_start": torch.tensor(2)}
@@ -113,7 +131,8 @@ SAMPLES = {
     "update_": lambda: _update_samples(5),
     "update_.Tensor": lambda: _update_samples(torch.tensor([0, 9], dtype=torch.int32)),
     "append_": _append_samples,
-    "attend": _attend_samples,
+    "attend": lambda: [*_attend_samples(), *_ring_attend_samples()],
+    "ring_update_": _ring_update_samples,
     "rollback": _rollback_samples,
     "select_rows_": _select_rows_samples,
     "append_returning_": _append_samples,
