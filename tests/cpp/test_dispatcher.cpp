@@ -35,7 +35,11 @@ TEST_CASE("schemas are registered with mutation annotations", "[dispatcher]") {
           "Tensor keys_new, Tensor values_new) -> ()");
   REQUIRE(schema_of("kvcache::attend") ==
           "kvcache::attend(Tensor q, Tensor keys, Tensor values, Tensor lengths, *, "
-          "Tensor? kv_start=None, float? scale=None, int window=0, float softcap=0.) -> Tensor");
+          "Tensor? kv_start=None, float? scale=None, int window=0, float softcap=0., "
+          "Tensor? positions=None, int sinks=0) -> Tensor");
+  REQUIRE(schema_of("kvcache::ring_update_") ==
+          "kvcache::ring_update_(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) positions, "
+          "Tensor keys_new, Tensor values_new, Tensor start, *, int sinks=0) -> Tensor");
   REQUIRE(schema_of("kvcache::rollback") ==
           "kvcache::rollback(Tensor lengths, Tensor n, *, Tensor? kv_start=None) -> Tensor");
   REQUIRE(schema_of("kvcache::select_rows_") ==
