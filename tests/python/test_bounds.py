@@ -10,17 +10,8 @@ import pytest
 import torch
 
 import kvcache
-from kv_testing import (  # noqa: F401
-    INT32_MAX,
-    INT32_MIN,
-    INT64_MAX,
-    INT64_MIN,
-    Guarded,
-    assert_same,
-    random_tensor,
-    raises_nothing_written,
-)
-from kv_testing import guarded_new_kv as new_kv  # noqa: F401
+from kv_testing import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN, Guarded, raises_nothing_written
+from kv_testing import guarded_new_kv as new_kv
 
 B, H, T, D = 2, 3, 8, 4
 ops = torch.ops.kvcache
