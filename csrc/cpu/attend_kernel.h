@@ -229,6 +229,28 @@ inline void softmax_row(float* s, int64_t a, int64_t e, int64_t n8, float cap,
   m = m_new;
 }
 
+// A task's start, for linear and ring tasks alike: its queries (the G heads
+// of KV head t.kvh at positions [t.i0, t.i1)) scaled into sc.q, and the
+// online-softmax state (output, running max, running sum) reset.
+template <typename T>
+inline void start_task(const Plan& plan, const Task& t, Scratch& sc) {
+  const AttendParams& p = *plan.p;
+  const int64_t G = plan.group, D = plan.dim, Dp = plan.dim_pad;
+  const int64_t nt = t.i1 - t.i0;
+  const int64_t rows = G * nt;
+  const T* qbase = static_cast<const T*>(p.q) + t.b * p.q_stride[0];
+  for (int64_t ti = 0; ti < nt; ++ti) {
+    for (int64_t g = 0; g < G; ++g) {
+      const T* src = qbase + (t.kvh * G + g) * p.q_stride[1] + (t.i0 + ti) * p.q_stride[2];
+      float* dst = sc.q.data() + (ti * G + g) * Dp;
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d * p.q_stride[3]]) * plan.qscale;
+    }
+  }
+  std::fill(sc.o.data(), sc.o.data() + rows * Dp, 0.f);
+  std::fill(sc.m.data(), sc.m.data() + rows, -std::numeric_limits<float>::infinity());
+  std::fill(sc.l.data(), sc.l.data() + rows, 0.f);
+}
+
 template <typename T>
 void run_task(const Plan& plan, const Task& t, Scratch& sc) {
   const AttendParams& p = *plan.p;
@@ -263,17 +285,7 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
     }
   }
 
-  const T* qbase = static_cast<const T*>(p.q) + t.b * p.q_stride[0];
-  for (int64_t ti = 0; ti < nt; ++ti) {
-    for (int64_t g = 0; g < G; ++g) {
-      const T* src = qbase + (t.kvh * G + g) * p.q_stride[1] + (t.i0 + ti) * p.q_stride[2];
-      float* dst = Q + (ti * G + g) * Dp;
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d * p.q_stride[3]]) * plan.qscale;
-    }
-  }
-  std::fill(O, O + rows * Dp, 0.f);
-  std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
-  std::fill(l, l + rows, 0.f);
+  start_task<T>(plan, t, sc);
 
   const T* kbase = static_cast<const T*>(p.k) + t.b * p.k_stride[0] + t.kvh * p.k_stride[1];
   const T* vbase = static_cast<const T*>(p.v) + t.b * p.v_stride[0] + t.kvh * p.v_stride[1];
@@ -392,18 +404,8 @@ void run_task_ring(const Plan& plan, const Task& t, Scratch& sc) {
     }
   }
 
-  const T* qbase = static_cast<const T*>(p.q) + t.b * p.q_stride[0];
-  for (int64_t ti = 0; ti < nt; ++ti) {
-    seen[ti] = 0;
-    for (int64_t g = 0; g < G; ++g) {
-      const T* src = qbase + (t.kvh * G + g) * p.q_stride[1] + (t.i0 + ti) * p.q_stride[2];
-      float* dst = Q + (ti * G + g) * Dp;
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d * p.q_stride[3]]) * plan.qscale;
-    }
-  }
-  std::fill(O, O + rows * Dp, 0.f);
-  std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
-  std::fill(l, l + rows, 0.f);
+  start_task<T>(plan, t, sc);
+  std::fill(seen, seen + nt, int64_t{0});
 
   const T* kbase = static_cast<const T*>(p.k) + t.b * p.k_stride[0] + t.kvh * p.k_stride[1];
   const T* vbase = static_cast<const T*>(p.v) + t.b * p.v_stride[0] + t.kvh * p.v_stride[1];
