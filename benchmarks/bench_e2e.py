@@ -157,6 +157,7 @@ def plot(rows: List[dict], path: str, args) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     print(f"\nplot written to {path}")
 

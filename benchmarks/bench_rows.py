@@ -53,7 +53,7 @@ def case_reorder(args, device, threads) -> List[dict]:
         cache = kvcache.KVLayerCache(keys, values, lengths)
         index = torch.tensor([1, 0, 3, 2, 5, 4, 7, 6], device=device)  # every row moves
         fns = {
-            "kvcache select_kv_layer_cache_rows": lambda: kvcache.select_kv_layer_cache_rows(cache, index),
+            "kvcache select_rows_kv_layer_cache": lambda: kvcache.select_rows_kv_layer_cache(cache, index),
             "torch.ops.kvcache.select_rows_": lambda: torch.ops.kvcache.select_rows_.default(
                 keys, values, lengths, index),
             "index_select + copy_ (whole buffers)": lambda: (

@@ -231,6 +231,7 @@ def plot(rows, path):
     axes[1].set_title("decode update vs cache capacity, 1 thread")
     axes[1].legend(fontsize=8)
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     print(f"\nplot written to {path}")
 

@@ -17,6 +17,14 @@ get_filename_component(_kvcache_root "${CMAKE_CURRENT_LIST_DIR}/../../.." ABSOLU
 # Torch: the torch installed beside kvcache (the one it was built against)
 # unless the caller already found or pointed at one.
 if(NOT TARGET torch)
+  # torch's wheels link kineto into libtorch_cpu.so, but TorchConfig.cmake
+  # looks for a separate libkineto and warns when it is missing: point that
+  # search at libtorch_cpu.so, which Torch links anyway (no warning).
+  if(NOT DEFINED kineto_LIBRARY AND EXISTS "${_kvcache_root}/../torch/lib/libtorch_cpu.so"
+     AND NOT EXISTS "${_kvcache_root}/../torch/lib/libkineto.a")
+    get_filename_component(_kvcache_torch_cpu "${_kvcache_root}/../torch/lib/libtorch_cpu.so" ABSOLUTE)
+    set(kineto_LIBRARY "${_kvcache_torch_cpu}" CACHE FILEPATH "kineto is inside libtorch_cpu.so in torch's wheels")
+  endif()
   find_dependency(Torch HINTS "${_kvcache_root}/../torch/share/cmake")
 endif()
 

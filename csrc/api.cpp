@@ -103,10 +103,11 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys,
       const at::Tensor&, const at::Tensor&, const at::Tensor&,
       const at::Tensor&, const std::optional<at::Tensor>&,
       std::optional<double>, int64_t, double, const std::optional<at::Tensor>&,
+      int64_t, const std::optional<at::Tensor>&,
       const std::optional<at::Tensor>&)>("kvcache::attend", "");
   return op.call(q, keys, values, lengths, options.kv_start, options.scale,
-                 options.window, options.softcap, options.k_scale,
-                 options.v_scale);
+                 options.window, options.softcap, options.positions,
+                 options.sinks, options.k_scale, options.v_scale);
 }
 
 at::Tensor rollback(const at::Tensor& lengths, const at::Tensor& n,
@@ -123,6 +124,13 @@ at::Tensor select_rows_(at::Tensor& keys, at::Tensor& values,
       typed<at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor&,
                        const at::Tensor&)>("kvcache::select_rows_", "");
   return op.call(keys, values, lengths, index);
+}
+
+at::Tensor reset_rows(const at::Tensor& lengths, const at::Tensor& rows) {
+  static const auto op =
+      typed<at::Tensor(const at::Tensor&, const at::Tensor&)>(
+          "kvcache::reset_rows", "");
+  return op.call(lengths, rows);
 }
 
 KVLayerCache init_kv_layer_cache(int64_t batch_size, int64_t num_kv_heads,
@@ -226,6 +234,14 @@ KVLayerCache select_rows_kv_layer_cache(const KVLayerCache& cache,
   return cache;
 }
 
+KVLayerCache reset_rows_kv_layer_cache(const KVLayerCache& cache,
+                                       const at::Tensor& rows) {
+  check_length_writable(cache.length);
+  at::Tensor length = cache.length;
+  length.copy_(reset_rows(cache.length, rows));
+  return cache;
+}
+
 at::Tensor attend(const at::Tensor& q, const KVLayerCache& cache,
                   const AttendOptions& options) {
   if (!cache.quantized()) {
@@ -250,6 +266,82 @@ std::vector<KVLayerCache> init_decoder_kv_caches(
                                          max_len, dtype, device));
   }
   return caches;
+}
+
+at::Tensor ring_update_(at::Tensor& keys, at::Tensor& values,
+                        at::Tensor& positions, const at::Tensor& keys_new,
+                        const at::Tensor& values_new, const at::Tensor& start,
+                        int64_t sinks) {
+  static const auto op =
+      typed<at::Tensor(at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
+                       const at::Tensor&, const at::Tensor&, int64_t)>(
+          "kvcache::ring_update_", "");
+  return op.call(keys, values, positions, keys_new, values_new, start, sinks);
+}
+
+RingLayerCache init_ring_layer_cache(int64_t batch_size, int64_t num_kv_heads,
+                                     int64_t head_dim, int64_t window,
+                                     at::ScalarType dtype, c10::Device device,
+                                     int64_t sinks, int64_t max_step) {
+  TORCH_CHECK_VALUE(window >= 1, "window must be >= 1, got ", window);
+  TORCH_CHECK_VALUE(sinks >= 0, "sinks must be >= 0, got ", sinks);
+  TORCH_CHECK_VALUE(max_step >= 1, "max_step must be >= 1, got ", max_step);
+  // Each term is checked first, so the sum cannot overflow.
+  TORCH_CHECK_VALUE(window <= INT32_MAX && sinks <= INT32_MAX &&
+                        max_step <= INT32_MAX &&
+                        sinks + window + max_step - 1 <= INT32_MAX,
+                    "sinks + window + max_step - 1 slots: a ring holds at most ",
+                    INT32_MAX, " (int32 positions)");
+  const int64_t capacity = sinks + window + max_step - 1;
+  auto [keys, values, length] = init_layer_cache(
+      batch_size, num_kv_heads, head_dim, capacity, dtype, device);
+  at::Tensor positions = at::full({keys.size(0), capacity}, -1,
+                                  at::TensorOptions().dtype(at::kInt).device(device));
+  return {std::move(keys), std::move(values), std::move(positions),
+          std::move(length), window, sinks, max_step};
+}
+
+RingKV write_ring_layer_cache(const RingLayerCache& cache,
+                              const at::Tensor& keys_new,
+                              const at::Tensor& values_new) {
+  RingLayerCache c = cache;  // the same tensors: written in place
+  RingKV kv{c.keys, c.values, c.positions, c.length, c.window, c.sinks};
+  const int64_t chunk = keys_new.dim() == 4 ? keys_new.size(2) : 0;
+  if (chunk > c.max_step) {
+    // The chunk's early queries need keys its own later tokens overwrite in
+    // the ring: attend over the ring's slots from before the write (stale
+    // positions >= start masked as empty) plus the chunk.
+    at::Tensor s = c.length.to(at::kInt);
+    if (s.dim() == 1) s = s.view({-1, 1});
+    const int64_t batch = c.positions.size(0);
+    at::Tensor old = at::where(c.positions < s, c.positions,
+                               at::full({}, -1, c.positions.options()));
+    at::Tensor fresh = (s + at::arange(chunk, c.positions.options())).expand({batch, chunk});
+    kv.positions = at::cat({old, fresh}, 1);
+    kv.keys = at::cat({c.keys, keys_new}, 2);
+    kv.values = at::cat({c.values, values_new}, 2);
+  }
+  c.length.copy_(ring_update_(c.keys, c.values, c.positions, keys_new,
+                              values_new, c.length, c.sinks));
+  kv.length = c.length;
+  return kv;
+}
+
+at::Tensor attend(const at::Tensor& q, const RingKV& kv,
+                  const AttendOptions& options) {
+  AttendOptions o = options;
+  o.window = kv.window;
+  o.positions = kv.positions;
+  o.sinks = kv.sinks;
+  return attend(q, kv.keys, kv.values, kv.length, o);
+}
+
+void rollback_ring_layer_cache(const RingLayerCache& cache, int64_t n) {
+  TORCH_CHECK_VALUE(n >= 0, "n must be >= 0, got ", n);
+  TORCH_CHECK_VALUE(n <= cache.max_step, "a ring rolls back at most max_step=",
+                    cache.max_step, " tokens exactly, got n=", n);
+  at::Tensor length = cache.length;
+  length.copy_(rollback(length, at::full({}, n, length.options().dtype(at::kLong))));
 }
 
 }  // namespace kvcache

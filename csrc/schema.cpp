@@ -8,6 +8,7 @@
 #include "ops/attend.h"
 #include "ops/init_layer_cache.h"
 #include "ops/operators.h"
+#include "ops/ring.h"
 #include "ops/rows.h"
 #include "ops/update.h"
 

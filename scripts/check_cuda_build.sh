@@ -35,7 +35,11 @@ nvcc_version=$(nvcc --version | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p')
 
 start=$(date +%s)
 if [ ! -x "$VENV/bin/python" ]; then
+  echo "== creating $VENV: torch==2.14.1 with CUDA 13 and its nvidia-* wheels, about 5.5 GB on disk" \
+       "(kept for the next run; KVCACHE_CUDA_VENV=DIR puts it elsewhere, rm -rf $VENV frees it)"
   python3 -m venv "$VENV"
+else
+  echo "== using $VENV (torch==2.14.1 with CUDA 13, about 5.5 GB; rm -rf $VENV frees it)"
 fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
@@ -85,7 +89,7 @@ for line in open(sys.argv[1], errors="replace"):
         rows[-1][2] = int(m.group(1))
 def short(name):
     m = re.search(r"(update_copy_kernel|validate_starts_kernel|attend_combine_kernel|attend_kernel|"
-                  r"rollback_kernel|select_plan_kernel|select_move_kernel)(I(f|N3c108BFloat16E|N3c104HalfE)(Li(\d+)E)?)?",
+                  r"rollback_kernel|select_plan_kernel|select_move_kernel|ring_validate_kernel|ring_copy_kernel)(I(f|N3c108BFloat16E|N3c104HalfE)(Li(\d+)E)?)?",
                   name)
     if not m:
         return name[:60]
@@ -139,7 +143,7 @@ check_lib() {
   local syms
   syms=$(nm -C "$lib")
   for k in validate_starts_kernel update_copy_kernel attend_kernel attend_combine_kernel \
-           rollback_kernel select_plan_kernel select_move_kernel; do
+           rollback_kernel select_plan_kernel select_move_kernel ring_validate_kernel ring_copy_kernel; do
     grep -q "$k" <<<"$syms" || missing="$missing $k"
   done
   [ -z "$missing" ] || { echo "missing CUDA kernels in $lib:$missing" >&2; exit 1; }

@@ -76,7 +76,11 @@ deactivate
 python3 -m venv "$TMP/venv"
 # shellcheck disable=SC1091
 . "$TMP/venv/bin/activate"
-$PIP "$TORCH_SPEC" "$wheel" 2>&1 | grep -v "^WARNING: Location" || true
+# numpy beside torch: torch's wheel does not require numpy, but without it
+# every `import torch` (so every `import kvcache`) warns "Failed to initialize
+# NumPy: No module named 'numpy'" (torch/_subclasses/functional_tensor.py
+# converts a tensor at import). kvcache itself does not use numpy.
+$PIP "$TORCH_SPEC" numpy "$wheel" 2>&1 | grep -v "^WARNING: Location" || true
 echo "   installed in $(elapsed "$start"): $(pip list 2>/dev/null | grep -E '^(torch|kvcache) ' | tr -s ' ' | paste -sd, -)"
 
 echo "== the README's Python example, from the installed wheel"
@@ -125,7 +129,16 @@ target_link_libraries(use_api PRIVATE kvcache::kvcache)
 add_executable(use_dispatcher use_dispatcher.cpp)  # calls the ops only by name
 target_link_libraries(use_dispatcher PRIVATE ${TORCH_LIBRARIES})
 kvcache_link_ops(use_dispatcher)
+add_executable(readme readme.cpp)      # the README's C++ snippet, as written
+target_link_libraries(readme PRIVATE kvcache::kvcache)
 CMAKE
+# The README's ```cpp block, verbatim: it must build and run on CPU as written.
+python - "$ROOT/README.md" "$proj/readme.cpp" <<'PY'
+import re, sys
+blocks = re.findall(r"^```cpp\n(.*?)^```", open(sys.argv[1], encoding="utf-8").read(), re.S | re.M)
+assert len(blocks) == 1, f"expected one C++ block in README.md, found {len(blocks)}"
+open(sys.argv[2], "w").write(blocks[0])
+PY
 cat >"$proj/use_api.cpp" <<'CPP'
 #include <kvcache/kvcache.h>
 
@@ -183,5 +196,6 @@ if ! { cmake -S "$proj" -B "$proj/build" "${generator[@]}" -DCMAKE_PREFIX_PATH="
 fi
 "$proj/build/use_api"
 "$proj/build/use_dispatcher"
+echo "   README C++ snippet: $("$proj/build/readme")"
 echo "   C++ consumer built and ran in $(elapsed "$start")"
 echo "== check_wheel: OK ($(basename "$wheel"))"

@@ -24,7 +24,7 @@
 # MAX_JOBS=2: the first sanitizer build 564 s (a rebuild after one .cpp
 # changed: 36-54 s); ctest 17-19 s (12 Catch2 cases, 1.3-1.7 s each, mostly
 # LibTorch start-up under ASan); the Python tests 30-40 s (test_properties
-# ci profile, 300 examples per property, plus test_reliability, 173 tests).
+# ci profile, 300 examples per property, plus the bounds/aliasing/autograd/tensor-kind tests).
 # The script prints each figure.
 #
 # Proof that it catches a real bug: an off-by-one bound check (start <=
@@ -93,6 +93,6 @@ LD_PRELOAD="$ASAN_RT $STDCXX" \
   LD_LIBRARY_PATH="$(dirname "$SAN_LIB")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
   ASAN_OPTIONS="${ASAN_OPTIONS/detect_leaks=1/detect_leaks=0}" \
   python -m pytest -q -s -p no:cacheprovider \
-    tests/python/test_properties.py tests/python/test_reliability.py
+    tests/python/test_properties.py tests/python/test_bounds.py tests/python/test_aliasing.py tests/python/test_autograd.py tests/python/test_tensor_kinds.py
 t3=$(date +%s)
 echo "== Python tests under ASan took $((t3 - t2))s; sanitizer job total $((t3 - t0))s"

@@ -33,9 +33,13 @@ echo "== installing $TORCH_SPEC and the build/test requirements"
 # torch is pinned so pip never resolves (and downloads) another release.
 # Build: setuptools >= 77, ninja (optional: parallel compiles) and build
 # (python -m build, for scripts/check_wheel.sh); the rest is for the tests,
-# demo and benchmarks.
+# demo and benchmarks, and the `hf` extra's packages (transformers, and gguf
+# + accelerate, which transformers needs to load the GGUF model of
+# examples/hf_generate.py and examples/hf_speculative.py): installed here, so
+# the examples run after this script with no second install and no rebuild.
 pip install -q --disable-pip-version-check "$TORCH_SPEC" "setuptools>=77" ninja \
-  build numpy pytest expecttest "hypothesis==6.168.3" "transformers==5.24.0" tqdm matplotlib 2>&1 | grep -v "^WARNING: Location" || true
+  build numpy pytest expecttest "hypothesis==6.168.3" tqdm matplotlib \
+  "transformers==5.24.0" "gguf==0.19.0" "accelerate==1.15.0" 2>&1 | grep -v "^WARNING: Location" || true
 python -c "import torch" >/dev/null  # fail here, clearly, if torch did not install
 
 # pip rebuilds every extension from scratch: skip it when the installed

@@ -77,6 +77,22 @@ void check_writable(const at::Tensor& t, const char* name) {
               " is an inference tensor)");
 }
 
+void check_written_rows(const at::Tensor& t, const char* name) {
+  check_writable(t, name);
+  bool overlapping = false;
+  for (int64_t k = 0; k < t.dim() && !overlapping; ++k) {
+    const auto stride = t.sym_stride(k).maybe_as_int();
+    if (stride && *stride == 0) {
+      const c10::SymInt& size = t.sym_size(k);
+      overlapping = size.maybe_as_int() ? *size.maybe_as_int() > 1
+                                        : size.has_hint() && holds(size.sym_gt(1));
+    }
+  }
+  TORCH_CHECK_VALUE(!overlapping && !self_overlaps(t), name,
+                    " must not have internally overlapping memory (it is "
+                    "written in place, one entry per row)");
+}
+
 void check_rank(const at::Tensor& t, int64_t rank, const char* name,
                 const char* dims) {
   TORCH_CHECK_VALUE(t.dim() == rank, name, " must be a ", rank,
@@ -97,13 +113,21 @@ void check_device(const at::Tensor& t, const at::Device& device,
                     device, "), got ", t.device());
 }
 
-void check_row_ints(const at::Tensor& t, const char* name,
-                    const c10::SymInt& batch, const at::Device& device) {
-  check_dense(t, name);
+void check_int_dtype(const at::Tensor& t, const char* name) {
   TORCH_CHECK_TYPE(
       t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, name,
       " must be an int32 or int64 tensor, got dtype ",
       py_dtype(t.scalar_type()));
+}
+
+std::string at_index(const at::Tensor& t, int64_t b) {
+  return t.dim() == 0 ? std::string() : " at index " + std::to_string(b);
+}
+
+void check_row_ints(const at::Tensor& t, const char* name,
+                    const c10::SymInt& batch, const at::Device& device) {
+  check_dense(t, name);
+  check_int_dtype(t, name);
   TORCH_CHECK_VALUE(
       t.dim() == 0 || (t.dim() == 1 && holds(t.sym_size(0).sym_eq(batch))),
       name, " must be a 0-D tensor (one value for every row) or have shape "

@@ -55,6 +55,12 @@ void check_dense(const at::Tensor& t, const char* name);
 // inference tensor outside inference mode (as PyTorch's in-place ops).
 void check_writable(const at::Tensor& t, const char* name);
 
+// check_writable, plus one element per entry: a per-row integer tensor
+// (lengths) that is written in place, by an op or by the caller's copy_ of
+// an op's result. An expand()ed view is refused also while tracing with
+// symbolic sizes (where the byte-level overlap test cannot decide).
+void check_written_rows(const at::Tensor& t, const char* name);
+
 // `t` has `rank` dimensions, described as `dims` in the message.
 void check_rank(const at::Tensor& t, int64_t rank, const char* name,
                 const char* dims);
@@ -66,6 +72,13 @@ void check_dtype(const at::Tensor& t, at::ScalarType expected,
 // `t` is on `device`.
 void check_device(const at::Tensor& t, const at::Device& device,
                   const char* name, const char* what);
+
+// `t` is an int32 or int64 tensor (TypeError naming it otherwise).
+void check_int_dtype(const at::Tensor& t, const char* name);
+
+// " at index b" for a per-row tensor, "" for a 0-D one: where a value
+// check's message says which row failed.
+std::string at_index(const at::Tensor& t, int64_t b);
 
 // A per-row integer tensor (lengths, positions, kv_start, counts): int32 or
 // int64, 0-D (one value for every row) or of shape (batch,), on `device`.

@@ -30,6 +30,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../core/visibility.h"
 #include "../ops/attend.h"
 #include "attend_plan.h"
 #include "attend_vec.h"
@@ -90,13 +91,56 @@ bool use_avx2() {
 }
 
 // Visible slots [lo, hi) of the query at position i of row b (lo == hi:
-// none).
+// none). A ring's queries may see any slot: [0, max_len), read by position.
 void visible(const AttendParams& p, int64_t b, int64_t i, int64_t& lo, int64_t& hi) {
+  if (p.positions != nullptr) {
+    lo = 0;
+    hi = p.max_len;
+    return;
+  }
   const int64_t len = p.host_lengths[b];
   const int64_t pos = len - p.seq + i;
-  lo = p.host_kv_start ? p.host_kv_start[b] : 0;
-  if (p.window > 0) lo = std::max(lo, pos - p.window + 1);
-  hi = std::max(lo, pos + 1);
+  detail::visible_range(pos, p.host_kv_start ? p.host_kv_start[b] : 0, p.window, &lo, &hi);
+}
+
+// Rings: whether each query of row b finds every position the rule asks
+// for (visible_count) among the row's slots. One that does not (the ring
+// lost a position it needs: a rollback or a chunk beyond the ring's bound)
+// gets NaN rather than a silently different answer. O(max_len log max_len)
+// per row: the counts come from the row's sorted positions.
+std::vector<char> ring_missing(const AttendParams& p) {
+  std::vector<char> bad(static_cast<size_t>(p.batch * p.seq), 0);
+  std::vector<int64_t> sorted;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    sorted.clear();
+    const int32_t* pos = p.positions + b * p.pos_stride[0];
+    for (int64_t j = 0; j < p.max_len; ++j) {
+      const int64_t q = pos[j * p.pos_stride[1]];
+      if (q >= 0) sorted.push_back(q);
+    }
+    std::sort(sorted.begin(), sorted.end());
+    // Positions present in [a, e).
+    auto present = [&](int64_t a, int64_t e) -> int64_t {
+      if (a >= e) return 0;
+      return std::lower_bound(sorted.begin(), sorted.end(), e) -
+             std::lower_bound(sorted.begin(), sorted.end(), a);
+    };
+    const int64_t first = p.host_kv_start ? p.host_kv_start[b] : 0;
+    const int64_t len = p.host_lengths[b];
+    for (int64_t i = 0; i < p.seq; ++i) {
+      const int64_t qp = len - p.seq + i;
+      int64_t have;
+      if (p.window <= 0) {
+        have = present(first, qp + 1);
+      } else {
+        const int64_t sink_end = std::min(qp + 1, p.sinks);
+        const int64_t lo = std::max({first, p.sinks, qp - p.window + 1});
+        have = present(first, sink_end) + present(lo, qp + 1);
+      }
+      bad[b * p.seq + i] = have != detail::visible_count(qp, first, p.window, p.sinks);
+    }
+  }
+  return bad;
 }
 
 // Cost model of a task, in units of about 1/4 ns: two passes of
@@ -156,17 +200,17 @@ void attend_typed(const AttendParams& p) {
   plan.tile = std::clamp<int64_t>(kTileRows / plan.group, 1, p.seq);
   plan.fast_k = p.k_stride[3] == 1 && p.head_dim % 8 == 0;
   plan.fast_v = p.v_stride[3] == 1 && p.head_dim % 8 == 0;
+  plan.ring = p.positions != nullptr;
   if (p.softcap > 0.f) {
     plan.qscale = p.scale / p.softcap;
     plan.cap = p.softcap * kLog2e;
   } else {
     plan.qscale = p.scale * kLog2e;
   }
-  const TaskFn task_fn =
+  TaskFn task_fn = plan.ring ? &isa_generic::run_task_ring<T, TKV> : &isa_generic::run_task<T, TKV>;
 #if KVCACHE_ATTEND_X86
-      use_avx2() ? &isa_avx2::run_task<T, TKV> :
+  if (use_avx2()) task_fn = plan.ring ? &isa_avx2::run_task_ring<T, TKV> : &isa_avx2::run_task<T, TKV>;
 #endif
-                 &isa_generic::run_task<T, TKV>;
 
   // Tasks: (row, KV head, tile), each over the slots its queries see.
   const int64_t tiles = (p.seq + plan.tile - 1) / plan.tile;
@@ -266,6 +310,21 @@ void attend_typed(const AttendParams& p) {
     });
   }
   for (const Split& s : splits) merge_parts<T>(plan, s.b, s.kvh, s.first_part, s.parts);
+  if (plan.ring) {
+    const std::vector<char> bad = ring_missing(p);
+    for (int64_t b = 0; b < p.batch; ++b) {
+      for (int64_t i = 0; i < p.seq; ++i) {
+        if (!bad[b * p.seq + i]) continue;
+        T* row = static_cast<T*>(p.out) + b * p.out_stride[0] + i * p.out_stride[2];
+        for (int64_t h = 0; h < p.num_heads; ++h) {
+          for (int64_t d = 0; d < p.head_dim; ++d) {
+            row[h * p.out_stride[1] + d * p.out_stride[3]] =
+                static_cast<T>(std::numeric_limits<float>::quiet_NaN());
+          }
+        }
+      }
+    }
+  }
 }
 
 // The cache's element type: q's dtype, or a quantized format.

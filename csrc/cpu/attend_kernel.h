@@ -190,8 +190,11 @@ void pack_rows(const T* src, int64_t row_stride, int64_t elem_stride,
 // Online-softmax step of one row over a block of n slots, of which [a, e)
 // are visible to it. s holds the row's scores (n8 = n rounded up to 8
 // columns; the columns past n are scratch) and gets the weights.
+// `vis` (rings; nullptr: none) marks the slots of [a, e) the row sees;
+// the others get weight exactly 0, like those outside [a, e).
 inline void softmax_row(float* s, int64_t a, int64_t e, int64_t n8, float cap,
-                        float& m, float& l, float& alpha) {
+                        float& m, float& l, float& alpha,
+                        const unsigned char* vis = nullptr) {
   using V = typename Vec::V;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   if (a >= e) {  // this row sees none of the block: weights 0, no rescale
@@ -205,6 +208,11 @@ inline void softmax_row(float* s, int64_t a, int64_t e, int64_t n8, float cap,
   }
   for (int64_t j = 0; j < a; ++j) s[j] = kNegInf;
   for (int64_t j = e; j < n8; ++j) s[j] = kNegInf;
+  if (vis != nullptr) {
+    for (int64_t j = a; j < e; ++j) {
+      if (!vis[j]) s[j] = kNegInf;
+    }
+  }
   V mx = Vec::set1(kNegInf);
   for (int64_t j = 0; j < n8; j += 8) mx = Vec::max(mx, Vec::load(s + j));
   const float block_max = Vec::reduce_max(mx);
@@ -232,6 +240,28 @@ inline void scale_columns(float* S, int64_t ra, int64_t rb, int64_t n,
     float* row = S + r * kBlock;
     for (int64_t c = 0; c < n; ++c) row[c] *= col[c];
   }
+}
+
+// A task's start, for linear and ring tasks alike: its queries (the G heads
+// of KV head t.kvh at positions [t.i0, t.i1)) scaled into sc.q, and the
+// online-softmax state (output, running max, running sum) reset.
+template <typename T>
+inline void start_task(const Plan& plan, const Task& t, Scratch& sc) {
+  const AttendParams& p = *plan.p;
+  const int64_t G = plan.group, D = plan.dim, Dp = plan.dim_pad;
+  const int64_t nt = t.i1 - t.i0;
+  const int64_t rows = G * nt;
+  const T* qbase = static_cast<const T*>(p.q) + t.b * p.q_stride[0];
+  for (int64_t ti = 0; ti < nt; ++ti) {
+    for (int64_t g = 0; g < G; ++g) {
+      const T* src = qbase + (t.kvh * G + g) * p.q_stride[1] + (t.i0 + ti) * p.q_stride[2];
+      float* dst = sc.q.data() + (ti * G + g) * Dp;
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d * p.q_stride[3]]) * plan.qscale;
+    }
+  }
+  std::fill(sc.o.data(), sc.o.data() + rows * Dp, 0.f);
+  std::fill(sc.m.data(), sc.m.data() + rows, -std::numeric_limits<float>::infinity());
+  std::fill(sc.l.data(), sc.l.data() + rows, 0.f);
 }
 
 // T: the queries' and output's dtype; TKV: the cache's (T, or int8_t /
@@ -273,17 +303,7 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
     }
   }
 
-  const T* qbase = static_cast<const T*>(p.q) + t.b * p.q_stride[0];
-  for (int64_t ti = 0; ti < nt; ++ti) {
-    for (int64_t g = 0; g < G; ++g) {
-      const T* src = qbase + (t.kvh * G + g) * p.q_stride[1] + (t.i0 + ti) * p.q_stride[2];
-      float* dst = Q + (ti * G + g) * Dp;
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d * p.q_stride[3]]) * plan.qscale;
-    }
-  }
-  std::fill(O, O + rows * Dp, 0.f);
-  std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
-  std::fill(l, l + rows, 0.f);
+  start_task<T>(plan, t, sc);
 
   const TKV* kbase = static_cast<const TKV*>(p.k) + t.b * p.k_stride[0] + t.kvh * p.k_stride[1];
   const TKV* vbase = static_cast<const TKV*>(p.v) + t.b * p.v_stride[0] + t.kvh * p.v_stride[1];
@@ -366,6 +386,115 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
       const int64_t r = ti * G + g;
       // A query that sees no slot (left padding) gets zeros.
       const float inv = lo[ti] < hi[ti] ? 1.f / l[r] : 0.f;
+      T* dst = obase + (t.kvh * G + g) * p.out_stride[1] + (t.i0 + ti) * p.out_stride[2];
+      const float* src = O + r * Dp;
+      for (int64_t d = 0; d < D; ++d) dst[d * p.out_stride[3]] = static_cast<T>(src[d] * inv);
+    }
+  }
+}
+
+// A task over a ring (AttendParams::positions): the slots of [j0, j1) that
+// some query of the tile sees (tile_sees) are gathered in slot order, and
+// their keys and values widened to float32 block by block (pack_rows), so
+// empty or stale slots are never read, not even with weight 0 (0 * NaN is
+// NaN). Each query then masks the gathered slots it does not see (sees).
+// The order of the work depends only on which slots are visible, so a ring
+// that reached the same visible content by another route (a rollback after
+// a wrap) gives bit-identical results. A quantized ring (TKV int8_t or
+// Float8_e4m3fn) is dequantized row by row into the same block scratch: the
+// slot's scale multiplies its widened row, so scratch stays one block.
+template <typename T, typename TKV = T>
+void run_task_ring(const Plan& plan, const Task& t, Scratch& sc) {
+  constexpr bool kQuantized =
+      std::is_same_v<TKV, int8_t> || std::is_same_v<TKV, c10::Float8_e4m3fn>;
+  const AttendParams& p = *plan.p;
+  const int64_t G = plan.group, D = plan.dim, Dp = plan.dim_pad;
+  const int64_t nt = t.i1 - t.i0;
+  const int64_t rows = G * nt;
+  const int64_t len = p.host_lengths[t.b];
+  const int64_t first = p.host_kv_start ? p.host_kv_start[t.b] : 0;
+  const int64_t p_lo = len - p.seq + t.i0, p_hi = len - p.seq + t.i1 - 1;
+  float* const Q = sc.q.data();
+  float* const O = sc.o.data();
+  float* const S = sc.s.data();
+  float* const m = sc.m.data();
+  float* const l = sc.l.data();
+  float* const alpha = sc.alpha.data();
+  int64_t* const seen = sc.lo.data();  // visible slots per query position
+  unsigned char* const vis = sc.vis.data();
+
+  const int32_t* pos = p.positions + t.b * p.pos_stride[0];
+  int64_t n_sel = 0;
+  for (int64_t j = t.j0; j < t.j1; ++j) {
+    const int64_t q = pos[j * p.pos_stride[1]];
+    if (q >= 0 && detail::tile_sees(q, p_lo, p_hi, first, p.window, p.sinks)) {
+      sc.sel[n_sel] = j;
+      sc.sel_pos[n_sel] = q;
+      ++n_sel;
+    }
+  }
+
+  start_task<T>(plan, t, sc);
+  std::fill(seen, seen + nt, int64_t{0});
+
+  const TKV* kbase = static_cast<const TKV*>(p.k) + t.b * p.k_stride[0] + t.kvh * p.k_stride[1];
+  const TKV* vbase = static_cast<const TKV*>(p.v) + t.b * p.v_stride[0] + t.kvh * p.v_stride[1];
+  const float* kscale = nullptr;
+  const float* vscale = nullptr;
+  if constexpr (kQuantized) {
+    kscale = p.k_scale + t.b * p.ks_stride[0] + t.kvh * p.ks_stride[1];
+    vscale = p.v_scale + t.b * p.vs_stride[0] + t.kvh * p.vs_stride[1];
+  }
+  float* const kb = sc.kb.data();
+  float* const vb = sc.vb.data();
+  for (int64_t c0 = 0; c0 < n_sel; c0 += kBlock) {
+    const int64_t n = std::min(kBlock, n_sel - c0);
+    const int64_t n8 = (n + 7) / 8 * 8;
+    for (int64_t j = 0; j < n; ++j) {
+      pack_rows(kbase + sc.sel[c0 + j] * p.k_stride[2], 0, p.k_stride[3], 1, D, Dp, kb + j * Dp);
+      if constexpr (kQuantized) {
+        const float f = kscale[sc.sel[c0 + j] * p.ks_stride[2]];
+        for (int64_t d = 0; d < D; ++d) kb[j * Dp + d] *= f;
+      }
+    }
+    qk_block(Q, Dp, static_cast<const float*>(kb), Dp, Dp, rows, n, S, kBlock, nullptr);
+    for (int64_t ti = 0; ti < nt; ++ti) {
+      const int64_t qp = p_lo + ti;
+      int64_t count = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        vis[ti * kBlock + j] =
+            detail::sees(sc.sel_pos[c0 + j], qp, first, p.window, p.sinks) ? 1 : 0;
+        count += vis[ti * kBlock + j];
+      }
+      seen[ti] += count;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = ti * G + g;
+        softmax_row(S + r * kBlock, 0, count > 0 ? n : 0, n8, plan.cap, m[r], l[r], alpha[r],
+                    vis + ti * kBlock);
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      pack_rows(vbase + sc.sel[c0 + j] * p.v_stride[2], 0, p.v_stride[3], 1, D, Dp, vb + j * Dp);
+      if constexpr (kQuantized) {
+        const float f = vscale[sc.sel[c0 + j] * p.vs_stride[2]];
+        for (int64_t d = 0; d < D; ++d) vb[j * Dp + d] *= f;
+      }
+    }
+    pv_block(S, kBlock, static_cast<const float*>(vb), Dp, n, O, Dp, alpha, rows, Dp);
+  }
+
+  if (t.part >= 0) {  // a split of the row: keep the unnormalized state
+    float* part = plan.partial + t.part * plan.part_stride;
+    std::copy(O, O + rows * Dp, part);
+    std::copy(m, m + rows, part + rows * Dp);
+    std::copy(l, l + rows, part + rows * Dp + rows);
+    return;
+  }
+  T* obase = static_cast<T*>(p.out) + t.b * p.out_stride[0];
+  for (int64_t ti = 0; ti < nt; ++ti) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = ti * G + g;
+      const float inv = seen[ti] > 0 ? 1.f / l[r] : 0.f;  // sees nothing: zeros
       T* dst = obase + (t.kvh * G + g) * p.out_stride[1] + (t.i0 + ti) * p.out_stride[2];
       const float* src = O + r * Dp;
       for (int64_t d = 0; d < D; ++d) dst[d * p.out_stride[3]] = static_cast<T>(src[d] * inv);

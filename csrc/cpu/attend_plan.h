@@ -28,6 +28,7 @@ struct Plan {
   int64_t tile = 1;    // query positions per task
   bool fast_k = false; // keys read in place (unit element stride, dim % 8 == 0)
   bool fast_v = false;
+  bool ring = false;   // p->positions: slots read by position (run_task_ring)
   // Scores in log2 units: q is scaled by scale * log2(e); with a softcap,
   // by scale / softcap, and the score becomes cap * tanh(q.k) with
   // cap = softcap * log2(e).
@@ -54,14 +55,23 @@ struct Task {
 struct Scratch {
   std::vector<float> q, o, s, kb, vb, m, l, alpha;
   std::vector<int64_t> lo, hi;
+  // Rings: the gathered slots of a task and their positions, and the
+  // per-(position, slot) visibility of a block.
+  std::vector<int64_t> sel, sel_pos;
+  std::vector<unsigned char> vis;
 
   explicit Scratch(const Plan& plan) {
     const int64_t rows = plan.max_rows();
     q.assign(rows * plan.dim_pad, 0.f);
     o.assign(rows * plan.dim_pad, 0.f);
     s.assign(rows * kBlock, 0.f);
-    if (!plan.fast_k) kb.assign(kBlock * plan.dim_pad, 0.f);
-    if (!plan.fast_v) vb.assign(kBlock * plan.dim_pad, 0.f);
+    if (!plan.fast_k || plan.ring) kb.assign(kBlock * plan.dim_pad, 0.f);
+    if (!plan.fast_v || plan.ring) vb.assign(kBlock * plan.dim_pad, 0.f);
+    if (plan.ring) {
+      sel.assign(plan.p->max_len, 0);
+      sel_pos.assign(plan.p->max_len, 0);
+      vis.assign(plan.tile * kBlock, 0);
+    }
     m.assign(rows, 0.f);
     l.assign(rows, 0.f);
     alpha.assign(rows, 0.f);

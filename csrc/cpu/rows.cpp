@@ -1,4 +1,4 @@
-// CPU work of rollback and select_rows_ (see csrc/ops/rows.h).
+// CPU work of rollback, select_rows_ and reset_rows (see csrc/ops/rows.h).
 #include <algorithm>
 #include <cstdint>
 #include <memory>
@@ -10,11 +10,19 @@
 namespace kvcache {
 namespace {
 
+using detail::ResetRowsParams;
 using detail::RollbackParams;
 using detail::SelectRowsParams;
 
 void rollback_cpu(const RollbackParams& p) {
   for (int64_t b = 0; b < p.rows; ++b) {
+    detail::write_row(p.out, b, p.host_new_lengths[b]);
+  }
+}
+
+// The checks computed the new lengths (every index checked first).
+void reset_rows_cpu(const ResetRowsParams& p) {
+  for (int64_t b = 0; b < p.batch; ++b) {
     detail::write_row(p.out, b, p.host_new_lengths[b]);
   }
 }
@@ -120,3 +128,4 @@ void select_rows_cpu(const SelectRowsParams& p) {
 
 KVCACHE_REGISTER_KERNEL(rollback_stub, cpu, &kvcache::rollback_cpu);
 KVCACHE_REGISTER_KERNEL(select_rows_stub, cpu, &kvcache::select_rows_cpu);
+KVCACHE_REGISTER_KERNEL(reset_rows_stub, cpu, &kvcache::reset_rows_cpu);

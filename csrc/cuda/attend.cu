@@ -47,6 +47,8 @@
 #include <limits>
 #include <type_traits>
 
+#include "../core/rules.h"
+#include "../core/visibility.h"
 #include "../ops/attend.h"
 #include "launch.cuh"
 
@@ -82,6 +84,10 @@ struct AttnArgs {
   float scale, softcap;
   int64_t window;
   IntRows lengths, kv_start;
+  // Rings: (batch, max_len) slot positions (nullptr: a linear cache).
+  const int32_t* positions;
+  int64_t ps[2];
+  int64_t sinks;
   float* part_ml;   // splits > 1: (split, row) -> (max, sum)
   float* part_acc;  // splits > 1: (split, row, head_dim)
   int64_t total_rows;  // batch * num_heads * seq
@@ -117,8 +123,10 @@ __device__ __forceinline__ RowBounds row_bounds(const AttnArgs& a, int64_t b) {
     RowBounds r;
     r.len = detail::read_row(a.lengths, b);
     r.first = a.kv_start.data != nullptr ? detail::read_row(a.kv_start, b) : 0;
-    r.valid = r.len >= a.seq && r.len <= a.max_len && r.first >= 0 &&
-              r.first <= r.len;
+    // A ring's lengths are logical positions (int32), not slots.
+    r.valid = detail::attend_row_fits(
+        r.len, r.first, a.seq,
+        a.positions != nullptr ? int64_t{INT32_MAX} : a.max_len);
     shared = r;
   }
   __syncthreads();
@@ -186,6 +194,8 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float m_s[R], l_s[R], alpha_s[R];
   __shared__ int64_t lo_s[R], hi_s[R];  // visible slots [lo, hi); empty: lo == hi
   __shared__ int64_t range_s[2];        // this block's slots
+  __shared__ int64_t qpos_s[R];         // rings: each row's query position
+  __shared__ int count_s[R];            // rings: visible slots found (split 0)
 
   const int tid = threadIdx.x;
   const int64_t tile = static_cast<int64_t>(blockIdx.x) % a.row_tiles;
@@ -221,12 +231,17 @@ __global__ void __launch_bounds__(kThreads)
       int64_t h, i;
       row_place(a, kvh, row0 + tid, &h, &i);
       const int64_t pos = rb.len - a.seq + i;  // in [0, len)
-      hi = pos + 1;
-      lo = rb.first;
-      // pos - window + 1 >= 2 - 2^63: no overflow.
-      if (a.window > 0 && pos - a.window + 1 > lo) lo = pos - a.window + 1;
-      if (lo > hi) lo = hi;
+      qpos_s[tid] = pos;
+      if (a.positions != nullptr) {
+        lo = 0;  // a ring's query may see any slot: decided per slot
+        hi = a.max_len;
+      } else {
+        detail::visible_range(pos, rb.first, a.window, &lo, &hi);
+      }
+    } else {
+      qpos_s[tid] = -1;
     }
+    count_s[tid] = 0;
     lo_s[tid] = lo;
     hi_s[tid] = hi;
     m_s[tid] = -INFINITY;
@@ -313,7 +328,12 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         float s = -INFINITY;
-        if (jl < n && j >= lo_s[r] && j < hi_s[r]) {
+        bool seen = jl < n && j >= lo_s[r] && j < hi_s[r];
+        if (seen && a.positions != nullptr) {
+          seen = detail::sees(a.positions[b * a.ps[0] + j * a.ps[1]], qpos_s[r],
+                              rb.first, a.window, a.sinks);
+        }
+        if (seen) {
           s = dot[r] * qscale;
           if (a.softcap > 0.f) s = a.softcap * tanhf(s / a.softcap);
         }
@@ -370,10 +390,45 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t to = hi_s[r] - j0;
       const int c0 = from > 0 ? static_cast<int>(from) : 0;
       const int c1 = to < n ? static_cast<int>(to > 0 ? to : 0) : n;
-      for (int c = c0; c < c1; ++c) acc += p_s[r * N + c] * kv_s[c * a.pitch + d];
+      if (a.positions != nullptr) {
+        // A ring's tile holds slots the row does not see (weight 0), whose
+        // values may be anything (empty, stale): skip them.
+        for (int c = c0; c < c1; ++c) {
+          const float w = p_s[r * N + c];
+          if (w > 0.f) acc += w * kv_s[c * a.pitch + d];
+        }
+      } else {
+        for (int c = c0; c < c1; ++c) acc += p_s[r * N + c] * kv_s[c * a.pitch + d];
+      }
       acc_s[idx] = acc;
     }
     __syncthreads();  // before the next tile overwrites kv_s and p_s
+  }
+
+  // Rings: split 0 counts every visible slot of its rows (positions only,
+  // O(max_len) int reads) against the rule's count; a row that lost a
+  // position it needs gets NaN (l = NaN, also through the combine).
+  if (a.positions != nullptr && split == 0) {
+    int cnt[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) cnt[r] = 0;
+    for (int64_t j = tid; j < a.max_len; j += kThreads) {
+      const int64_t q = a.positions[b * a.ps[0] + j * a.ps[1]];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (r < rows) cnt[r] += detail::sees(q, qpos_s[r], rb.first, a.window, a.sinks) ? 1 : 0;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (r < rows && cnt[r] > 0) atomicAdd(&count_s[r], cnt[r]);
+    }
+    __syncthreads();
+    if (tid < rows &&
+        count_s[tid] != detail::visible_count(qpos_s[tid], rb.first, a.window, a.sinks)) {
+      l_s[tid] = NAN;
+    }
+    __syncthreads();
   }
 
   if (a.splits == 1) {
@@ -383,7 +438,7 @@ __global__ void __launch_bounds__(kThreads)
       int64_t h, i;
       row_place(a, kvh, row0 + r, &h, &i);
       const float l = l_s[r];
-      const float o = l > 0.f ? acc_s[idx] / l : 0.f;  // no visible slot: 0
+      const float o = l != l ? NAN : l > 0.f ? acc_s[idx] / l : 0.f;  // no visible slot: 0
       outp[b * a.os[0] + h * a.os[1] + i * a.os[2] + d * a.os[3]] =
           static_cast<T>(o);
     }
@@ -418,6 +473,13 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int D = static_cast<int>(a.head_dim);
   const RowBounds rb = row_bounds(a, b);
   if (!rb.valid) {  // attend_kernel wrote no partials for this row
+    for (int d = threadIdx.x; d < D; d += kCombineThreads) {
+      out[d * a.os[3]] = static_cast<T>(std::numeric_limits<float>::quiet_NaN());
+    }
+    return;
+  }
+  // A ring row that lost a position (split 0 wrote sum NaN): NaN.
+  if (a.positions != nullptr && a.part_ml[2 * prow + 1] != a.part_ml[2 * prow + 1]) {
     for (int d = threadIdx.x; d < D; d += kCombineThreads) {
       out[d * a.os[3]] = static_cast<T>(std::numeric_limits<float>::quiet_NaN());
     }
@@ -567,6 +629,10 @@ void attend_cuda(const AttendParams& p) {
   a.window = p.window;
   a.lengths = p.lengths;
   a.kv_start = p.kv_start;
+  a.positions = p.positions;
+  a.ps[0] = p.pos_stride[0];
+  a.ps[1] = p.pos_stride[1];
+  a.sinks = p.sinks;
   a.rows_per_kv = a.group * a.seq;
   a.total_rows = p.batch * p.num_heads * p.seq;
 

@@ -1,6 +1,6 @@
-// CUDA work of rollback and select_rows_ (see csrc/ops/rows.h). The
-// operator entries have checked everything the host can see; the values of
-// the device tensors (lengths, n, kv_start, index) are checked here, all
+// CUDA work of rollback, select_rows_ and reset_rows (see csrc/ops/rows.h).
+// The operator entries have checked everything the host can see; the values
+// of the device tensors (lengths, n, kv_start, index, rows) are checked here, all
 // before anything is written: one bad row makes the op write nothing but
 // -1 into every entry of the new lengths it returns (the one check that is
 // always right: (lengths >= 0).all()). No host sync; every launch can be
@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "../core/rules.h"
 #include "../ops/rows.h"
 #include "copy.cuh"
 #include "launch.cuh"
@@ -20,6 +21,7 @@ namespace {
 
 using cuda::CopyPlan;
 using detail::IntRows;
+using detail::ResetRowsParams;
 using detail::RollbackParams;
 using detail::SelectRowsParams;
 
@@ -29,16 +31,19 @@ using detail::SelectRowsParams;
 __global__ void rollback_kernel(const IntRows lengths, const IntRows n,
                                 const IntRows kv_start, const IntRows out,
                                 int64_t rows) {
+  // A 0-D lengths with a (k,) kv_start: the shared length (stride 0) is
+  // checked against each of the k first slots; `out` keeps lengths' shape.
+  const int64_t checks =
+      kv_start.data != nullptr && kv_start.numel > rows ? kv_start.numel : rows;
   int bad = 0;
-  for (int64_t b = threadIdx.x; b < rows; b += blockDim.x) {
+  for (int64_t b = threadIdx.x; b < checks; b += blockDim.x) {
     const int64_t len = detail::read_row(lengths, b);
     const int64_t drop = detail::read_row(n, b);
     const int64_t first =
         kv_start.data != nullptr ? detail::read_row(kv_start, b) : 0;
     // drop > len - first, never len - drop < first: len - first cannot
     // overflow once 0 <= first <= len, a drop near 2^63 could.
-    bad |= (len < 0) | (first < 0) | (first > len) | (drop < 0) |
-           (drop > len - first);
+    bad |= !detail::rollback_fits(len, first, drop);
   }
   bad = __syncthreads_or(bad);
   for (int64_t b = threadIdx.x; b < rows; b += blockDim.x) {
@@ -53,8 +58,51 @@ void rollback_cuda(const RollbackParams& p) {
   if (p.rows <= 0) return;
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(p.device_index));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  rollback_kernel<<<1, cuda::check_threads(p.rows), 0, stream>>>(
+  const int64_t checks = p.kv_start.data != nullptr && p.kv_start.numel > p.rows
+                             ? p.kv_start.numel
+                             : p.rows;
+  rollback_kernel<<<1, cuda::check_threads(checks), 0, stream>>>(
       p.lengths, p.n, p.kv_start, p.out, p.rows);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// --------------------------------------------------------------- reset_rows
+
+// One block: every index is checked (in [0, batch)) before any entry of
+// `out` is written; a bad one makes every entry -1. Then out = lengths, and
+// after a barrier the selected rows become 0 (repeated indices are fine).
+__global__ void reset_rows_kernel(const IntRows lengths, const bool* mask,
+                                  int64_t mask_stride, const IntRows index,
+                                  const IntRows out, int64_t batch) {
+  int bad = 0;
+  if (mask == nullptr) {
+    for (int64_t i = threadIdx.x; i < index.numel; i += blockDim.x) {
+      const int64_t r = detail::read_row(index, i);
+      bad |= !detail::row_index_fits(r, batch);
+    }
+  }
+  bad = __syncthreads_or(bad);
+  for (int64_t b = threadIdx.x; b < batch; b += blockDim.x) {
+    const bool hit = mask != nullptr && mask[b * mask_stride];
+    detail::write_row(out, b,
+                      bad ? detail::kPoisonLength
+                      : hit ? 0
+                            : detail::read_row(lengths, b));
+  }
+  if (bad || mask != nullptr) return;
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < index.numel; i += blockDim.x) {
+    detail::write_row(out, detail::read_row(index, i), 0);
+  }
+}
+
+void reset_rows_cuda(const ResetRowsParams& p) {
+  if (p.batch <= 0) return;
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(p.device_index));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t n = p.index.numel > p.batch ? p.index.numel : p.batch;
+  reset_rows_kernel<<<1, cuda::check_threads(n), 0, stream>>>(
+      p.lengths, p.mask, p.mask_stride, p.index, p.out, p.batch);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -86,11 +134,11 @@ __global__ void select_plan_kernel(const IntRows lengths, const IntRows index,
   int bad = 0;
   for (int64_t b = threadIdx.x; b < lengths.numel; b += blockDim.x) {
     const int64_t len = detail::read_row(lengths, b);
-    bad |= (len < 0) | (len > max_len);
+    bad |= !detail::length_fits(len, max_len);
   }
   for (int64_t b = threadIdx.x; b < batch; b += blockDim.x) {
     const int64_t src = detail::read_row(index, b);
-    bad |= (src < 0) | (src >= batch);
+    bad |= !detail::row_index_fits(src, batch);
   }
   bad = __syncthreads_or(bad);
   for (int64_t b = threadIdx.x; b < batch; b += blockDim.x) {
@@ -230,3 +278,4 @@ void select_rows_cuda(const SelectRowsParams& p) {
 
 KVCACHE_REGISTER_KERNEL(rollback_stub, cuda, &kvcache::rollback_cuda);
 KVCACHE_REGISTER_KERNEL(select_rows_stub, cuda, &kvcache::select_rows_cuda);
+KVCACHE_REGISTER_KERNEL(reset_rows_stub, cuda, &kvcache::reset_rows_cuda);

@@ -4,10 +4,12 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <limits>
 #include <string>
 
 #include "../core/checks.h"
 #include "../core/tensor_params.h"
+#include "ring.h"
 
 namespace kvcache {
 namespace detail {
@@ -20,10 +22,6 @@ bool attn_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
 }
 
-std::string at_index(const at::Tensor& t, int64_t b) {
-  return t.dim() == 0 ? std::string() : " at index " + std::to_string(b);
-}
-
 }  // namespace
 
 AttendRows check_attend(const at::Tensor& q, const at::Tensor& keys,
@@ -31,6 +29,8 @@ AttendRows check_attend(const at::Tensor& q, const at::Tensor& keys,
                         const std::optional<at::Tensor>& kv_start,
                         std::optional<double> scale, int64_t window,
                         double softcap, bool values_known,
+                        const std::optional<at::Tensor>& positions,
+                        int64_t sinks,
                         const std::optional<at::Tensor>& k_scale,
                         const std::optional<at::Tensor>& v_scale) {
   check_dense(q, "q");
@@ -98,15 +98,44 @@ AttendRows check_attend(const at::Tensor& q, const at::Tensor& keys,
   if (kv_start.has_value()) {
     check_row_ints(*kv_start, "kv_start", batch, dev);
   }
+  // The kernels compute in float32: the value they use is the float32 one.
+  // A double that is finite but overflows float32 (1e39) or underflows to 0
+  // (1e-46: a softcap that silently became "no softcap") is refused too.
   if (scale.has_value()) {
-    TORCH_CHECK_VALUE(std::isfinite(*scale) && *scale > 0.0,
-                      "scale must be a finite number > 0, got ", *scale);
+    const float f = static_cast<float>(*scale);
+    TORCH_CHECK_VALUE(std::isfinite(*scale) && std::isfinite(f) && f > 0.0f,
+                      "scale must be a finite number > 0 in float32 range (",
+                      std::numeric_limits<float>::denorm_min(), " to ",
+                      std::numeric_limits<float>::max(), "), got ", *scale);
   }
   TORCH_CHECK_VALUE(window >= 0, "window must be >= 0 (0: no window), got ",
                     window);
-  TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0.0,
-                    "softcap must be a finite number >= 0 (0: no cap), got ",
-                    softcap);
+  const float cap32 = static_cast<float>(softcap);
+  TORCH_CHECK_VALUE(softcap == 0.0 || (std::isfinite(softcap) &&
+                                       std::isfinite(cap32) && cap32 > 0.0f),
+                    "softcap must be 0 (no cap) or a finite number > 0 in "
+                    "float32 range (",
+                    std::numeric_limits<float>::denorm_min(), " to ",
+                    std::numeric_limits<float>::max(), "), got ", softcap);
+  if (softcap > 0.0) {
+    // The CPU kernel folds scale / softcap into the queries (float32): it
+    // must not overflow (a softcap below about 1e-39 with a usual scale).
+    const int64_t d = shown(head_dim);
+    const double s = scale.value_or(d > 0 ? 1.0 / std::sqrt(double(d)) : 1.0);
+    TORCH_CHECK_VALUE(std::isfinite(static_cast<float>(s / softcap)),
+                      "softcap=", softcap, " is too small for scale=", s,
+                      ": scale / softcap must fit in float32 (the kernels "
+                      "compute in float32)");
+  }
+
+  const bool ring = positions.has_value();
+  if (ring) {
+    check_positions(*positions, batch, max_len, dev);
+  }
+  TORCH_CHECK_VALUE(sinks >= 0, "sinks must be >= 0, got ", sinks);
+  TORCH_CHECK_VALUE(sinks == 0 || ring,
+                    "sinks=", sinks, " needs positions (a ring cache); a "
+                    "linear cache has no sinks");
 
   AttendRows rows;
   if (!values_known || !dev.is_cpu()) {
@@ -121,8 +150,10 @@ AttendRows check_attend(const at::Tensor& q, const at::Tensor& keys,
     TORCH_CHECK_VALUE(len >= s, "lengths must be >= seq=", s,
                       " (the queries are the last seq filled slots), got ", len,
                       at_index(lengths, b));
-    TORCH_CHECK_VALUE(len <= cap, "lengths must be <= max_len=", cap, ", got ",
-                      len, at_index(lengths, b));
+    // A ring's lengths are logical positions, bounded only by int32.
+    TORCH_CHECK_VALUE(len <= (ring ? kMaxLen : cap),
+                      ring ? "lengths must be <= " : "lengths must be <= max_len=",
+                      ring ? kMaxLen : cap, ", got ", len, at_index(lengths, b));
     rows.lengths[b] = len;
   }
   if (kv_start.has_value()) {
@@ -155,11 +186,12 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys,
                   const at::Tensor& values, const at::Tensor& lengths,
                   const std::optional<at::Tensor>& kv_start,
                   std::optional<double> scale, int64_t window, double softcap,
+                  const std::optional<at::Tensor>& positions, int64_t sinks,
                   const std::optional<at::Tensor>& k_scale,
                   const std::optional<at::Tensor>& v_scale) {
   const auto rows = detail::check_attend(q, keys, values, lengths, kv_start,
-                                         scale, window, softcap, true, k_scale,
-                                         v_scale);
+                                         scale, window, softcap, true,
+                                         positions, sinks, k_scale, v_scale);
   // (batch, seq, heads, head_dim) memory: the caller's transpose(1, 2) and
   // reshape to (batch, seq, heads * head_dim) is then a free view.
   at::Tensor out =
@@ -187,6 +219,12 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys,
       scale.value_or(p.head_dim > 0 ? 1.0 / std::sqrt(double(p.head_dim)) : 1.0));
   p.softcap = static_cast<float>(softcap);
   p.window = window;
+  if (positions.has_value()) {
+    p.positions = positions->const_data_ptr<int32_t>();
+    p.pos_stride[0] = positions->stride(0);
+    p.pos_stride[1] = positions->stride(1);
+  }
+  p.sinks = sinks;
   p.lengths = detail::int_rows(lengths);
   if (kv_start.has_value()) p.kv_start = detail::int_rows(*kv_start);
   p.host_lengths = rows.lengths.empty() ? nullptr : rows.lengths.data();

@@ -9,6 +9,11 @@
 // read, so a step costs O(filled slots), not O(capacity). score is
 // scale * q.k, then softcap * tanh(score / softcap) when softcap > 0.
 // A query that sees no slot (a left-padding position) gets zeros.
+//
+// Rings (positions given): the slots are read by the logical position each
+// one records, with the rule of csrc/core/visibility.h (sinks always
+// visible, empty (-1) and stale slots never read); lengths are logical (may
+// exceed max_len); a step costs O(max_len) = O(window + sinks + R).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -46,6 +51,11 @@ struct AttendParams {
   float scale = 1.0f;
   float softcap = 0.0f;  // 0: none
   int64_t window = 0;    // 0: none
+  // A ring's slot positions ((batch, max_len) int32, element strides), or
+  // nullptr (a linear cache: slot j holds position j).
+  const int32_t* positions = nullptr;
+  int64_t pos_stride[2] = {};
+  int64_t sinks = 0;
   // On the device (CUDA reads them there; out-of-range rows get NaN).
   IntRows lengths;
   IntRows kv_start;  // absent: 0
@@ -80,6 +90,8 @@ KVCACHE_API AttendRows check_attend(const at::Tensor& q, const at::Tensor& keys,
                         const std::optional<at::Tensor>& kv_start,
                         std::optional<double> scale, int64_t window,
                         double softcap, bool values_known,
+                        const std::optional<at::Tensor>& positions = std::nullopt,
+                        int64_t sinks = 0,
                         const std::optional<at::Tensor>& k_scale = std::nullopt,
                         const std::optional<at::Tensor>& v_scale = std::nullopt);
 
@@ -91,10 +103,12 @@ inline void trace_check_attend(const at::Tensor& q, const at::Tensor& keys,
                                const std::optional<at::Tensor>& kv_start,
                                std::optional<double> scale, int64_t window,
                                double softcap,
+                               const std::optional<at::Tensor>& positions,
+                               int64_t sinks,
                                const std::optional<at::Tensor>& k_scale,
                                const std::optional<at::Tensor>& v_scale) {
   check_attend(q, keys, values, lengths, kv_start, scale, window, softcap,
-               false, k_scale, v_scale);
+               false, positions, sinks, k_scale, v_scale);
 }
 
 }  // namespace detail
@@ -106,6 +120,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys,
                   const at::Tensor& values, const at::Tensor& lengths,
                   const std::optional<at::Tensor>& kv_start,
                   std::optional<double> scale, int64_t window, double softcap,
+                  const std::optional<at::Tensor>& positions, int64_t sinks,
                   const std::optional<at::Tensor>& k_scale,
                   const std::optional<at::Tensor>& v_scale);
 

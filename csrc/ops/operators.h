@@ -46,9 +46,37 @@
 //       (batch, num_heads, seq, head_dim) in q's dtype. With k_scale and
 //       v_scale, keys/values are a quantized cache read in place (the key
 //       scale multiplies a score, the value scale a probability).
+//       With positions ((batch, max_len) int32, a ring's record of the
+//       logical position in each slot, -1: empty) the cache is read by
+//       position: query i sits at position lengths[b] - seq + i and sees the
+//       slots whose position q has kv_start[b] <= q <= p and (q < sinks or
+//       p - q < window) (csrc/core/visibility.h); a query that finds fewer
+//       of them than that rule asks for (a ring that lost a position) gets
+//       NaN.
 //   rollback  lengths - n as a new tensor, refusing to go below kv_start.
 //   select_rows_  row b of keys and values takes the filled slots of row
 //       index[b], in place; returns lengths[index].
+//   append_returning_  append_ that returns the new lengths (a new tensor of
+//       lengths' dtype and shape) instead of writing them, with append_'s
+//       checks and messages: what traced code calls instead of append_ (the
+//       Python API copies the result into lengths; see rows.h for the
+//       Inductor bug an in-place length write meets).
+//   reset_rows  the lengths with the given rows emptied (rows: a (batch,)
+//       bool mask or int32/int64 indices in [0, batch)), a new tensor.
+//   check_lengths_writable  raises (ValueError) if lengths cannot take an
+//       in-place write of one value per row (an expand()ed view, lazy
+//       conj/neg bits, an inference tensor outside inference mode); the
+//       Python API calls it before an op whose new lengths it copies into
+//       cache.length, so the copy cannot fail after the op ran, eagerly and
+//       traced alike.
+//   ring_update_  writes keys_new / values_new into a ring (keys / values
+//       (batch, num_kv_heads, capacity, head_dim)) at the logical positions
+//       [start_b, start_b + chunk), and records them in positions, in one
+//       pass: position p goes to slot p if p < sinks, else sinks + (p -
+//       sinks) mod (capacity - sinks); only what the ring keeps is written
+//       (the sinks and the last capacity - sinks positions). start: int32/
+//       int64, 0-D or (batch,), read on the device. Returns start + chunk
+//       (int32); on CUDA a bad start writes nothing and returns -1.
 //
 // Adding an operator: a line here; csrc/ops/<op>.{h,cpp} (its checks with
 // trace_check_<id>, and the entry point); csrc/cpu/<op>.cpp and
@@ -86,13 +114,24 @@
   X(attend, "attend", Read, attend_stub,                                      \
     "attend(Tensor q, Tensor keys, Tensor values, Tensor lengths, *, "        \
     "Tensor? kv_start=None, float? scale=None, int window=0, "                \
-    "float softcap=0.0, Tensor? k_scale=None, Tensor? v_scale=None) -> "      \
-    "Tensor")                                                                 \
+    "float softcap=0.0, Tensor? positions=None, int sinks=0, "               \
+    "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor")                  \
   X(rollback, "rollback", Read, rollback_stub,                                \
     "rollback(Tensor lengths, Tensor n, *, Tensor? kv_start=None) -> Tensor") \
   X(select_rows_, "select_rows_", Write, select_rows_stub,                    \
     "select_rows_(Tensor(a!) keys, Tensor(b!) values, Tensor lengths, "       \
-    "Tensor index) -> Tensor")
+    "Tensor index) -> Tensor")                                                \
+  X(append_returning_, "append_returning_", Write, update_stub,               \
+    "append_returning_(Tensor(a!) keys, Tensor(b!) values, Tensor lengths, "  \
+    "Tensor keys_new, Tensor values_new) -> Tensor")                          \
+  X(reset_rows, "reset_rows", Read, reset_rows_stub,                          \
+    "reset_rows(Tensor lengths, Tensor rows) -> Tensor")                      \
+  X(check_lengths_writable, "check_lengths_writable", Read, NoStub,           \
+    "check_lengths_writable(Tensor lengths) -> ()")                          \
+  X(ring_update_, "ring_update_", Write, ring_update_stub,                    \
+    "ring_update_(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) positions, " \
+    "Tensor keys_new, Tensor values_new, Tensor start, *, int sinks=0) "      \
+    "-> Tensor")
 
 #include "../core/device_stub.h"
 

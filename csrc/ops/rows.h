@@ -1,9 +1,10 @@
 // Operators on whole rows of a cache: rollback (the lengths after dropping
-// the last n[b] tokens of each row) and select_rows_ (row b takes the
+// the last n[b] tokens of each row), select_rows_ (row b takes the
 // contents of row index[b]: beam reorder, forking, compaction, in place, the
-// buffers keeping their addresses).
+// buffers keeping their addresses) and reset_rows (the lengths with some
+// rows emptied).
 //
-// Both return new lengths instead of writing the caller's: the Python API
+// All three return new lengths instead of writing the caller's: the Python API
 // copies them into the cache's length tensor. Under torch.compile that
 // copy_ is functionalized, while an in-place custom op on a graph-input
 // length tensor is exposed to an Inductor bug (torch 2.13): a pointwise read
@@ -28,7 +29,9 @@ struct RollbackParams {
   IntRows n;
   IntRows kv_start;  // absent: 0
   IntRows out;       // lengths - n (lengths' dtype and shape), or -1 (CUDA)
-  int64_t rows = 0;  // entries of lengths
+  // Entries of lengths. With a 0-D lengths a (k,) kv_start is broadcast: the
+  // one length is checked against each of its k entries (as attend does).
+  int64_t rows = 0;
   const int64_t* host_new_lengths = nullptr;  // CPU: checked results
   // The tensors' device index (CUDA: the device the kernels run on).
   int device_index = -1;
@@ -55,6 +58,22 @@ struct SelectRowsParams {
 using SelectRowsFn = void (*)(const SelectRowsParams&);
 extern DeviceStub<SelectRowsFn> select_rows_stub;
 
+struct ResetRowsParams {
+  IntRows lengths;  // read, (batch,)
+  // Either a (batch,) bool mask (1 byte per entry, `mask_stride` apart) ...
+  const bool* mask = nullptr;
+  int64_t mask_stride = 0;
+  // ... or row indices (0-D or (k,)), each in [0, batch).
+  IntRows index;
+  IntRows out;  // lengths with the selected rows 0, or -1 everywhere (CUDA)
+  int64_t batch = 0;
+  const int64_t* host_new_lengths = nullptr;  // CPU: checked results
+  // The tensors' device index (CUDA: the device the kernels run on).
+  int device_index = -1;
+};
+using ResetRowsFn = void (*)(const ResetRowsParams&);
+extern DeviceStub<ResetRowsFn> reset_rows_stub;
+
 // Checks (shared with the fake kernels). Return the checked values when
 // they can be read here (CPU tensors outside tracing), else empty.
 KVCACHE_API std::vector<int64_t> check_rollback(const at::Tensor& lengths,
@@ -69,12 +88,24 @@ KVCACHE_API SelectRowsValues check_select_rows(const at::Tensor& keys,
                                    const at::Tensor& values,
                                    const at::Tensor& lengths,
                                    const at::Tensor& index, bool values_known);
+// What a caller's in-place write of new lengths needs (check_written_rows).
+KVCACHE_API void check_lengths_writable(const at::Tensor& lengths);
+KVCACHE_API std::vector<int64_t> check_reset_rows(const at::Tensor& lengths,
+                                                  const at::Tensor& rows,
+                                                  bool values_known);
 
 
 // The checks with each schema's arguments, as a fake kernel runs them.
 inline void trace_check_rollback(const at::Tensor& lengths, const at::Tensor& n,
                                  const std::optional<at::Tensor>& kv_start) {
   check_rollback(lengths, n, kv_start, false);
+}
+inline void trace_check_reset_rows(const at::Tensor& lengths,
+                                   const at::Tensor& rows) {
+  check_reset_rows(lengths, rows, false);
+}
+inline void trace_check_check_lengths_writable(const at::Tensor& lengths) {
+  check_lengths_writable(lengths);
 }
 inline void trace_check_select_rows_(const at::Tensor& keys,
                                      const at::Tensor& values,
@@ -92,6 +123,8 @@ at::Tensor rollback(const at::Tensor& lengths, const at::Tensor& n,
                     const std::optional<at::Tensor>& kv_start);
 at::Tensor select_rows_(at::Tensor& keys, at::Tensor& values,
                         const at::Tensor& lengths, const at::Tensor& index);
+at::Tensor reset_rows(const at::Tensor& lengths, const at::Tensor& rows);
+void check_lengths_writable(const at::Tensor& lengths);
 
 }  // namespace ops
 }  // namespace kvcache

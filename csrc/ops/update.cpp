@@ -304,10 +304,7 @@ std::vector<int64_t> check_append_impl(const at::Tensor& keys,
                                        const at::Tensor& values_new,
                                        bool values_known, const Scales* sc) {
   const Shape g = check_tensors(keys, values, keys_new, values_new, sc);
-  check_writable(lengths, "lengths");
-  TORCH_CHECK_VALUE(!self_overlaps(lengths),
-                    "lengths must not have internally overlapping memory (it "
-                    "is written in place, one entry per row)");
+  check_written_rows(lengths, "lengths");
   check_start_meta(keys, values, keys_new, values_new, lengths, "lengths", g,
                    sc);
   // lengths is written too: it must not alias what the call reads.
@@ -509,6 +506,24 @@ void append_quantized_(at::Tensor& keys, at::Tensor& values,
   q.base.host_starts = starts.empty() ? nullptr : starts.data();
   q.base.lengths_out = q.base.starts;
   detail::quant_update_stub.get(keys.device().type(), "append_quantized_")(q);
+}
+
+at::Tensor append_returning_(at::Tensor& keys, at::Tensor& values,
+                             const at::Tensor& lengths,
+                             const at::Tensor& keys_new,
+                             const at::Tensor& values_new) {
+  // append_'s checks, naming lengths (also the in-place rules: the caller
+  // copies the result into lengths, and that copy must not fail after the
+  // buffers were written).
+  const auto starts = detail::check_append(keys, values, lengths, keys_new,
+                                           values_new, true);
+  at::Tensor out = at::empty(lengths.sizes(), lengths.options());
+  auto p = make_params(keys, values, keys_new, values_new);
+  p.starts = detail::int_rows(lengths);
+  p.host_starts = starts.empty() ? nullptr : starts.data();
+  p.lengths_out = detail::int_rows(out);
+  detail::update_stub.get(keys.device().type(), "append_")(p);
+  return out;
 }
 
 }  // namespace ops

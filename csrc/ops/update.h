@@ -114,6 +114,13 @@ inline void trace_check_update_tensor_(const at::Tensor& keys,
                                        const at::Tensor& start) {
   check_update_tensor(keys, values, keys_new, values_new, start, false);
 }
+inline void trace_check_append_returning_(const at::Tensor& keys,
+                                          const at::Tensor& values,
+                                          const at::Tensor& lengths,
+                                          const at::Tensor& keys_new,
+                                          const at::Tensor& values_new) {
+  check_append(keys, values, lengths, keys_new, values_new, false);
+}
 inline void trace_check_append_(const at::Tensor& keys, const at::Tensor& values,
                                 const at::Tensor& lengths,
                                 const at::Tensor& keys_new,
@@ -157,6 +164,10 @@ at::Tensor update_tensor_(at::Tensor& keys, at::Tensor& values,
                           const at::Tensor& start);
 void append_(at::Tensor& keys, at::Tensor& values, at::Tensor& lengths,
              const at::Tensor& keys_new, const at::Tensor& values_new);
+at::Tensor append_returning_(at::Tensor& keys, at::Tensor& values,
+                             const at::Tensor& lengths,
+                             const at::Tensor& keys_new,
+                             const at::Tensor& values_new);
 
 at::Tensor update_quantized_(at::Tensor& keys, at::Tensor& values,
                              at::Tensor& k_scale, at::Tensor& v_scale,

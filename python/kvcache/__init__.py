@@ -20,11 +20,25 @@ from .cache import (  # noqa: E402
     init_decoder_kv_caches_from_config,
     init_kv_layer_cache,
     reset_kv_layer_cache_rows,
+    reset_rows_kv_layer_cache,
     rollback_kv_layer_cache,
     select_kv_layer_cache_rows,
+    select_rows_kv_layer_cache,
     update_kv_layer_cache,
 )
 from .config import TransformerConfig  # noqa: E402
+from .ring import (  # noqa: E402
+    RingKV,
+    RingLayerCache,
+    append_ring_layer_cache,
+    attend_ring,
+    init_ring_layer_cache,
+    reset_rows_ring_layer_cache,
+    rollback_ring_layer_cache,
+    select_rows_ring_layer_cache,
+    update_ring_layer_cache,
+    write_ring_layer_cache,
+)
 
 
 def build_info() -> dict:
@@ -41,7 +55,17 @@ def build_info() -> dict:
 
 __all__ = [
     "KVLayerCache",
+    "RingKV",
+    "RingLayerCache",
     "TransformerConfig",
+    "append_ring_layer_cache",
+    "attend_ring",
+    "init_ring_layer_cache",
+    "reset_rows_ring_layer_cache",
+    "rollback_ring_layer_cache",
+    "select_rows_ring_layer_cache",
+    "update_ring_layer_cache",
+    "write_ring_layer_cache",
     "append_kv_layer_cache",
     "attend",
     "build_info",
@@ -50,9 +74,9 @@ __all__ = [
     "init_decoder_kv_caches_from_config",
     "init_kv_layer_cache",
     "library_path",
-    "reset_kv_layer_cache_rows",
+    "reset_rows_kv_layer_cache",
     "rollback_kv_layer_cache",
-    "select_kv_layer_cache_rows",
+    "select_rows_kv_layer_cache",
     "update_kv_layer_cache",
 ]
 # The build's version with its backend (0.1.0+cpu, 0.1.0+cu130), recorded

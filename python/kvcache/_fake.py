@@ -36,10 +36,6 @@ def _update_tensor(keys, values, keys_new, values_new, start):
     return keys.new_empty(start.shape, dtype=torch.int32)
 
 
-def _append(keys, values, lengths, keys_new, values_new):
-    return None
-
-
 def _update_quantized(keys, values, k_scale, v_scale, keys_new, values_new, start):
     return keys.new_empty((), dtype=torch.int32)
 
@@ -48,11 +44,10 @@ def _update_quantized_tensor(keys, values, k_scale, v_scale, keys_new, values_ne
     return keys.new_empty(start.shape, dtype=torch.int32)
 
 
-def _append_quantized(keys, values, k_scale, v_scale, lengths, keys_new, values_new):
-    return None
-
-
-def _attend(q, keys, values, lengths, *, kv_start=None, scale=None, window=0, softcap=0.0, k_scale=None, v_scale=None):
+def _attend(
+    q, keys, values, lengths, *, kv_start=None, scale=None, window=0, softcap=0.0, positions=None, sinks=0,
+    k_scale=None, v_scale=None
+):
     b, h, s, d = q.shape
     # (batch, seq, heads, head_dim) memory, as the kernels allocate it.
     return q.new_empty((b, s, h, d)).transpose(1, 2)
@@ -66,18 +61,30 @@ def _select_rows(keys, values, lengths, index):
     return _new_lengths(lengths)
 
 
+def _none(*args, **kwargs):
+    return None
+
+
+def _ring_update(keys, values, positions, keys_new, values_new, start, *, sinks=0):
+    return keys.new_empty(start.shape, dtype=torch.int32)
+
+
 # Outputs of each operator, by the id in csrc/ops/operators.h.
 _OUTPUTS = {
     "init_layer_cache": _init_layer_cache,
     "update_": _update,
     "update_tensor_": _update_tensor,
-    "append_": _append,
+    "append_": _none,
     "update_quantized_": _update_quantized,
     "update_quantized_tensor_": _update_quantized_tensor,
-    "append_quantized_": _append_quantized,
+    "append_quantized_": _none,
     "attend": _attend,
     "rollback": _new_lengths,
     "select_rows_": _select_rows,
+    "append_returning_": lambda keys, values, lengths, keys_new, values_new: _new_lengths(lengths),
+    "reset_rows": _new_lengths,
+    "check_lengths_writable": _none,
+    "ring_update_": _ring_update,
 }
 
 

@@ -10,6 +10,7 @@ traffic, never O(max_len).
 
 
 import operator
+import warnings
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
@@ -23,6 +24,7 @@ _init_op = torch.ops.kvcache.init_layer_cache.default
 _update_op = torch.ops.kvcache.update_.default
 _update_tensor_op = torch.ops.kvcache.update_.Tensor
 _append_op = torch.ops.kvcache.append_.default
+_append_returning_op = torch.ops.kvcache.append_returning_.default
 _attend_op = torch.ops.kvcache.attend.default
 _rollback_op = torch.ops.kvcache.rollback.default
 _select_rows_op = torch.ops.kvcache.select_rows_.default
@@ -37,6 +39,8 @@ _KV_DTYPES = {
     torch.int8: torch.int8,
     torch.float8_e4m3fn: torch.float8_e4m3fn,
 }
+_reset_rows_op = torch.ops.kvcache.reset_rows.default
+_check_lengths_writable_op = torch.ops.kvcache.check_lengths_writable.default
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -363,7 +367,11 @@ def append_kv_layer_cache(cache: KVLayerCache, keys_new: torch.Tensor, values_ne
     if not isinstance(cache, KVLayerCache):
         raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
     if cache.k_scale is not None:
-        if torch.compiler.is_compiling():  # as below: the functional write, then a copy_
+        if torch.compiler.is_compiling():
+            # As _append: the functional write, then a copy_ of the new
+            # lengths (checked writable first, so the copy cannot fail after
+            # the buffers were written).
+            _check_lengths_writable_op(cache.length)
             cache.length.copy_(
                 _update_q_tensor_op(
                     cache.keys, cache.values, cache.k_scale, cache.v_scale, keys_new, values_new, cache.length
@@ -372,16 +380,23 @@ def append_kv_layer_cache(cache: KVLayerCache, keys_new: torch.Tensor, values_ne
         else:
             _append_q_op(cache.keys, cache.values, cache.k_scale, cache.v_scale, cache.length, keys_new, values_new)
         return cache
-    if torch.compiler.is_compiling():
-        # Traced (torch.compile, torch.export): write with the functional
-        # update_.Tensor and copy the new lengths back. Inductor (torch 2.13)
-        # can re-inline a pointwise read of a graph input made before a custom
-        # op that mutates it in place after that op, where it sees the new
-        # value (docs/design.md has the repro); a copy_ is functionalized.
-        cache.length.copy_(_update_tensor_op(cache.keys, cache.values, keys_new, values_new, cache.length))
-        return cache
-    _append_op(cache.keys, cache.values, cache.length, keys_new, values_new)
+    _append(cache.keys, cache.values, cache.length, keys_new, values_new)
     return cache
+
+
+def _append(keys, values, lengths, keys_new, values_new) -> None:
+    # The one place that chooses how lengths advance (kvcache.hf calls it too).
+    # Eager: append_, in place. Traced (torch.compile, torch.export):
+    # append_returning_, whose new lengths are copied back. Inductor (torch
+    # 2.13) can re-inline a pointwise read of a graph input made before a
+    # custom op that mutates it in place after that op, where it sees the new
+    # value (docs/design.md has the repro); a copy_ is functionalized. Both
+    # ops run append_'s checks (naming lengths, refusing a lengths the copy
+    # could not write), so both paths raise the same errors.
+    if torch.compiler.is_compiling():
+        lengths.copy_(_append_returning_op(keys, values, lengths, keys_new, values_new))
+    else:
+        _append_op(keys, values, lengths, keys_new, values_new)
 
 
 def attend(
@@ -410,7 +425,10 @@ def attend(
             ``num_heads`` a multiple of ``num_kv_heads`` (grouped-query
             attention).
         cache: The layer's cache, already updated with this step's keys and
-            values.
+            values; or a ring (:class:`kvcache.RingLayerCache`, or the
+            :class:`kvcache.RingKV` of :func:`kvcache.write_ring_layer_cache`),
+            read by position with the ring's window and sinks (see
+            :func:`kvcache.ring.attend_ring`).
         kv_start: ``(batch,)`` int tensor: the first valid slot of each row
             (left padding); ``None`` means 0.
         scale: Score scale; ``None`` means ``head_dim ** -0.5``.
@@ -448,7 +466,7 @@ def attend(
             v_scale=cache.v_scale,
         )
     if not isinstance(cache, KVLayerCache):
-        raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
+        return _attend_ring(q, cache, kv_start, scale, window, softcap)
     return _attend_op(
         q,
         cache.keys,
@@ -461,6 +479,18 @@ def attend(
         k_scale=cache.k_scale,
         v_scale=cache.v_scale,
     )
+
+
+@torch.jit.unused
+def _attend_ring(q, cache, kv_start, scale, window, softcap) -> torch.Tensor:
+    # Rings (kvcache.ring): Python only (TorchScript compiles attend for KVLayerCache).
+    from .ring import RingKV, RingLayerCache, attend_ring
+
+    if not isinstance(cache, (RingLayerCache, RingKV)):
+        raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
+    if window is not None and window != cache.window:
+        raise ValueError(f"window={window} differs from the ring's window={cache.window}")
+    return attend_ring(q, cache, kv_start=kv_start, scale=scale, softcap=softcap)
 
 
 def rollback_kv_layer_cache(
@@ -484,10 +514,15 @@ def rollback_kv_layer_cache(
 
     Raises:
         ValueError: If ``n`` is negative or larger than a row holds (CPU;
-            nothing changes; also for a Python int outside int64). On CUDA
-            every length becomes -1 instead (check ``(cache.length >= 0).all()``
-            where a sync is fine).
+            nothing changes; also for a Python int outside int64), or
+            ``cache.length`` cannot be written in place (an ``expand()``ed
+            view: nothing changes). On CUDA every length becomes -1 instead
+            (check ``(cache.length >= 0).all()`` where a sync is fine).
         TypeError: If ``n`` is not an int or an integer tensor.
+
+    A 0-D ``cache.length`` (one length for every row) with a ``(batch,)``
+    ``kv_start`` is checked row by row against the shared length, as
+    :func:`attend` takes that pair.
     """
     if not isinstance(cache, KVLayerCache):
         raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
@@ -505,7 +540,7 @@ def rollback_kv_layer_cache(
     return cache
 
 
-def select_kv_layer_cache_rows(cache: KVLayerCache, index: torch.Tensor) -> KVLayerCache:
+def select_rows_kv_layer_cache(cache: KVLayerCache, index: torch.Tensor) -> KVLayerCache:
     """Row ``b`` takes the contents of row ``index[b]``, for every row, in place.
 
     Beam-search reordering, forking one prompt into several samples, or
@@ -524,8 +559,9 @@ def select_kv_layer_cache_rows(cache: KVLayerCache, index: torch.Tensor) -> KVLa
 
     Raises:
         ValueError: An index out of range (CPU; nothing changes; on CUDA
-            nothing is written and every length becomes -1), or shapes and
-            devices that do not fit.
+            nothing is written and every length becomes -1), shapes and
+            devices that do not fit, or a ``cache.length`` that cannot be
+            written in place (an ``expand()``ed view). Nothing is moved.
         TypeError: If ``index`` is not an integer tensor.
     """
     if not isinstance(cache, KVLayerCache):
@@ -540,55 +576,52 @@ def select_kv_layer_cache_rows(cache: KVLayerCache, index: torch.Tensor) -> KVLa
     return cache
 
 
-def reset_kv_layer_cache_rows(cache: KVLayerCache, rows: torch.Tensor) -> KVLayerCache:
+def reset_rows_kv_layer_cache(cache: KVLayerCache, rows: torch.Tensor) -> KVLayerCache:
     """Empties the given rows (their ``length`` becomes 0), in place, in O(1) per row.
 
     Nothing is zeroed: slots past a row's length are never read, and the next
     write overwrites them. For continuous batching, where a finished row takes
-    a new request.
+    a new request. One ``reset_rows`` operator call computes the new lengths
+    (every row checked first), then they are copied into ``cache.length``.
 
     Args:
         cache: The cache, with a per-row ``length`` of shape ``(batch,)``.
-        rows: A ``(batch,)`` bool mask, or an int tensor of row indices.
+        rows: A ``(batch,)`` bool mask (exactly ``batch`` entries), or an
+            int32/int64 tensor (0-D or 1-D) of row indices in ``[0, batch)``
+            (repeats allowed), on the cache's device.
 
     Returns:
         ``cache`` itself.
 
     Raises:
         ValueError: If ``cache.length`` is 0-D (one length shared by every
-            row cannot be reset for some rows only).
-        TypeError: If ``rows`` is not a bool or integer tensor.
+            row cannot be reset for some rows only) or cannot be written in
+            place (an ``expand()``ed view), a mask has not exactly ``batch``
+            entries, an index is outside ``[0, batch)`` (negative ones too:
+            no wrap-around), or ``rows`` is on another device. Nothing
+            changes. On CUDA an index out of range makes every length -1
+            instead (check ``(cache.length >= 0).all()``).
+        TypeError: If ``rows`` is not a bool, int32 or int64 tensor.
     """
     if not isinstance(cache, KVLayerCache):
         raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
-    if cache.length.dim() != 1:
-        raise ValueError(
-            "reset_kv_layer_cache_rows needs a per-row length of shape (batch,), got a "
-            f"{cache.length.dim()}-D length: make it per-row with "
-            "length.expand(batch).clone() first"
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(
+            f"rows must be a bool mask or an int32 or int64 tensor of row indices, got {type(rows).__name__}"
         )
-    if not isinstance(rows, torch.Tensor) or rows.is_floating_point() or rows.is_complex():
-        raise TypeError("rows must be a bool mask or an integer tensor of row indices")
     _check_length_writable(cache.length)
-    if rows.dtype == torch.bool:
-        cache.length.masked_fill_(rows, 0)
-    else:
-        cache.length.index_fill_(0, rows, 0)
+    cache.length.copy_(_reset_rows_op(cache.length, rows))
     return cache
 
 
 def _check_length_writable(length: torch.Tensor) -> None:
-    # copy_ into an inference tensor outside inference mode writes, then
-    # raises (the check is in the version bump): raise first, with
-    # PyTorch's own message, so that nothing changes.
-    if torch.compiler.is_compiling():
-        return  # Dynamo cannot trace is_inference(); traced code is not inference-mode code
-    if length.is_inference() and not torch.is_inference_mode_enabled():
-        raise RuntimeError(
-            "Inplace update to inference tensor outside InferenceMode is not allowed. You can make a "
-            "clone to get a normal tensor before doing inplace update. (kvcache: cache.length is an "
-            "inference tensor)"
-        )
+    # Every wrapper that writes cache.length with a copy_ of an operator's new
+    # lengths calls this before the operator runs, so that the copy cannot
+    # fail after the op moved rows (select) and nothing changes on error: an
+    # expand()ed length, an inference tensor outside inference mode (whose
+    # copy_ writes, then raises). One C++ check (append_'s for its lengths),
+    # also run by the fake kernel, so compiled code raises the same error.
+    _check_lengths_writable_op(length)
 
 
 def _raise_out_of_range_start(start: int, keys_new, keys) -> None:
@@ -609,3 +642,19 @@ def _as_int(name: str, value) -> int:
         return operator.index(value)
     except TypeError:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+
+
+# Names of the previous release, kept for one release: every operation beyond the original
+# module is now <operation>_kv_layer_cache, as in the C++ API.
+def select_kv_layer_cache_rows(cache: KVLayerCache, index: torch.Tensor) -> KVLayerCache:
+    """Deprecated alias of :func:`select_rows_kv_layer_cache` (removed in the next release)."""
+    warnings.warn("kvcache.select_kv_layer_cache_rows is deprecated: use kvcache.select_rows_kv_layer_cache",
+                  DeprecationWarning, stacklevel=2)
+    return select_rows_kv_layer_cache(cache, index)
+
+
+def reset_kv_layer_cache_rows(cache: KVLayerCache, rows: torch.Tensor) -> KVLayerCache:
+    """Deprecated alias of :func:`reset_rows_kv_layer_cache` (removed in the next release)."""
+    warnings.warn("kvcache.reset_kv_layer_cache_rows is deprecated: use kvcache.reset_rows_kv_layer_cache",
+                  DeprecationWarning, stacklevel=2)
+    return reset_rows_kv_layer_cache(cache, rows)

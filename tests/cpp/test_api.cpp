@@ -209,6 +209,11 @@ TEST_CASE("append_, attend, rollback and select_rows_ through the C++ API", "[ap
   REQUIRE(at::equal(cache.keys.select(0, 1).narrow(1, 0, 5), row0));
   REQUIRE_THROWS_AS(kvcache::select_rows_(cache.keys, cache.values, cache.length, at::tensor({0, 2})),
                     c10::ValueError);
+
+  REQUIRE(at::equal(kvcache::reset_rows(at::tensor({5, 3}, at::kInt), at::tensor({1}, at::kInt)),
+                    at::tensor({5, 0}, at::kInt)));
+  REQUIRE_THROWS_WITH(kvcache::reset_rows(cache.length, at::tensor({-1})),
+                      KV_CONTAINS("rows must be in [0, batch=2), got -1 at index 0"));
 }
 
 TEST_CASE("rollback_kv_layer_cache and select_rows_kv_layer_cache work in place", "[api]") {
@@ -294,4 +299,53 @@ TEST_CASE("quantized caches through the C++ API: write, attend, select rows", "[
     REQUIRE_THROWS_AS(kvcache::update_quantized_(plain.keys, plain.values, ks, vs, kn, vn, 0), c10::TypeError);
     REQUIRE(plain.keys.abs().sum().item<float>() == 0.f);
   }
+}
+
+TEST_CASE("reset_rows_kv_layer_cache empties the selected rows in place", "[api]") {
+  auto cache = kvcache::init_kv_layer_cache(4, 1, 4, 8, at::kFloat);
+  cache.length = at::tensor({3, 4, 5, 6}, at::kInt);
+  const void* address = cache.length.data_ptr();
+  kvcache::reset_rows_kv_layer_cache(cache, at::tensor({1, 0, 1, 0}).to(at::kBool));
+  REQUIRE(cache.length.data_ptr() == address);
+  REQUIRE(at::equal(cache.length, at::tensor({0, 4, 0, 6}, at::kInt)));
+  kvcache::reset_rows_kv_layer_cache(cache, at::tensor({3}, at::kLong));
+  REQUIRE(at::equal(cache.length, at::tensor({0, 4, 0, 0}, at::kInt)));
+  REQUIRE_THROWS_AS(kvcache::reset_rows_kv_layer_cache(cache, at::tensor({4}, at::kLong)), c10::ValueError);
+  REQUIRE_THROWS_AS(kvcache::reset_rows_kv_layer_cache(cache, at::tensor({1}).to(at::kBool)), c10::ValueError);
+  REQUIRE(at::equal(cache.length, at::tensor({0, 4, 0, 0}, at::kInt)));
+}
+
+TEST_CASE("a ring through the C++ API: wraps, long chunks and rollback match the linear cache", "[api][ring]") {
+  // A ring of window 4 (no sinks, max_step 2) against a linear cache read
+  // with the same window: decode past three wraps, one chunk longer than the
+  // ring, and a rollback of max_step tokens.
+  const int64_t window = 4;
+  auto ring = kvcache::init_ring_layer_cache(1, 1, D, window, at::kFloat, c10::kCPU, 0, 2);
+  REQUIRE(ring.capacity() == 5);
+  REQUIRE(at::equal(ring.positions, at::full({1, 5}, -1, at::kInt)));
+  auto linear = kvcache::init_kv_layer_cache(1, 1, D, 64, at::kFloat);
+  kvcache::AttendOptions opt;
+  opt.window = window;
+  auto step = [&](int64_t chunk) {
+    at::Tensor k = at::randn({1, 1, chunk, D});
+    at::Tensor v = at::randn({1, 1, chunk, D});
+    at::Tensor q = at::randn({1, 2, chunk, D});
+    kvcache::append_kv_layer_cache(linear, k, v);
+    auto kv = kvcache::write_ring_layer_cache(ring, k, v);
+    at::Tensor got = kvcache::attend(q, kv);
+    at::Tensor want = kvcache::attend(q, linear, opt);
+    REQUIRE(at::allclose(got, want, 1e-5, 1e-6));
+  };
+  for (int64_t i = 0; i < 16; ++i) step(1);
+  step(9);  // longer than the ring
+  step(2);
+  kvcache::rollback_ring_layer_cache(ring, 2);
+  linear.length.sub_(2);
+  for (int64_t i = 0; i < 3; ++i) step(1);
+  REQUIRE(ring.length.item<int64_t>() == 16 + 9 + 2 - 2 + 3);
+  REQUIRE_THROWS_AS(kvcache::rollback_ring_layer_cache(ring, 3), c10::ValueError);
+  at::Tensor bad_start = at::full({}, -1, at::kInt);
+  at::Tensor k = at::randn({1, 1, 1, D});
+  REQUIRE_THROWS_AS(kvcache::ring_update_(ring.keys, ring.values, ring.positions, k, k.clone(), bad_start),
+                    c10::ValueError);
 }

@@ -36,7 +36,10 @@ TEST_CASE("schemas are registered with mutation annotations", "[dispatcher]") {
   REQUIRE(schema_of("kvcache::attend") ==
           "kvcache::attend(Tensor q, Tensor keys, Tensor values, Tensor lengths, *, "
           "Tensor? kv_start=None, float? scale=None, int window=0, float softcap=0., "
-          "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
+          "Tensor? positions=None, int sinks=0, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
+  REQUIRE(schema_of("kvcache::ring_update_") ==
+          "kvcache::ring_update_(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) positions, "
+          "Tensor keys_new, Tensor values_new, Tensor start, *, int sinks=0) -> Tensor");
   REQUIRE(schema_of("kvcache::update_quantized_") ==
           "kvcache::update_quantized_(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) k_scale, "
           "Tensor(d!) v_scale, Tensor keys_new, Tensor values_new, SymInt start) -> Tensor");
@@ -48,6 +51,11 @@ TEST_CASE("schemas are registered with mutation annotations", "[dispatcher]") {
   REQUIRE(schema_of("kvcache::select_rows_") ==
           "kvcache::select_rows_(Tensor(a!) keys, Tensor(b!) values, Tensor lengths, "
           "Tensor index) -> Tensor");
+  REQUIRE(schema_of("kvcache::append_returning_") ==
+          "kvcache::append_returning_(Tensor(a!) keys, Tensor(b!) values, Tensor lengths, "
+          "Tensor keys_new, Tensor values_new) -> Tensor");
+  REQUIRE(schema_of("kvcache::reset_rows") ==
+          "kvcache::reset_rows(Tensor lengths, Tensor rows) -> Tensor");
   REQUIRE(schema_of("kvcache::init_layer_cache") ==
           "kvcache::init_layer_cache(SymInt batch_size, SymInt num_kv_heads, SymInt head_dim, "
           "SymInt max_len, *, ScalarType? dtype=None, Device? device=None) -> "

@@ -101,3 +101,82 @@ def random_kv(b, h, chunk, d, dtype=torch.float32, device="cpu", seed=0):
         random_tensor((b, h, chunk, d), dtype, device, seed=seed),
         random_tensor((b, h, chunk, d), dtype, device, seed=seed + 1),
     )
+
+
+# ------------------------------------------------------- caches with canaries
+
+INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
+INT32_MAX = 2**31 - 1
+INT32_MIN = -(2**31)
+GUARDED_SHAPE = (2, 3, 8, 4)  # (batch, heads, max_len, head_dim) of a Guarded cache by default
+
+
+class Guarded:
+    """A cache pair sliced out of larger random buffers: every byte around the
+    cache is a canary. ``snapshot()``/``unchanged()`` compare every byte of the
+    backing buffers (cache and canaries) and of any extra tensors."""
+
+    def __init__(self, b=2, h=3, t=8, d=4, dtype=torch.float32, layout="bhtd", seed=0):
+        self.extra = []
+        if layout == "bhtd":  # padding on every side of every dimension
+            kb = random_tensor((b + 2, h + 2, t + 3, d + 2), dtype, seed=seed)
+            vb = random_tensor((b + 2, h + 2, t + 3, d + 2), dtype, seed=seed + 1)
+            self.keys = kb[1 : b + 1, 1 : h + 1, 1 : t + 1, 1 : d + 1]
+            self.values = vb[1 : b + 1, 1 : h + 1, 2 : t + 2, 1 : d + 1]
+            self.bufs = [kb, vb]
+        elif layout == "bthd":  # (batch, seq, heads, head_dim) memory, transposed
+            kb = random_tensor((b, t + 2, h, d), dtype, seed=seed)
+            vb = random_tensor((b, t + 2, h, d), dtype, seed=seed + 1)
+            self.keys = kb[:, 1 : t + 1].transpose(1, 2)
+            self.values = vb[:, 1 : t + 1].transpose(1, 2)
+            self.bufs = [kb, vb]
+        elif layout == "fused":  # one (batch, heads, max_len, 2, head_dim) buffer
+            fb = random_tensor((b, h, t + 1, 2, d), dtype, seed=seed)
+            self.keys = fb[:, :, :t, 0]
+            self.values = fb[:, :, :t, 1]
+            self.bufs = [fb]
+        else:
+            raise AssertionError(layout)
+        self.length = torch.zeros((), dtype=torch.int32)
+        self.snapshot()
+
+    @property
+    def cache(self):
+        return kvcache.KVLayerCache(self.keys, self.values, self.length)
+
+    def watch(self, *tensors):
+        self.extra += list(tensors)
+        self.snapshot()
+
+    def snapshot(self):
+        self._before = [t.clone() for t in self.bufs + self.extra]
+
+    def unchanged(self):
+        for before, now in zip(self._before, self.bufs + self.extra):
+            assert_same(now, before)
+        return True
+
+
+def guarded_new_kv(chunk=1, b=2, h=3, d=4, dtype=torch.float32, seed=10):
+    """New keys and values for a Guarded cache of the default shape."""
+    return (
+        random_tensor((b, h, chunk, d), dtype, seed=seed),
+        random_tensor((b, h, chunk, d), dtype, seed=seed + 1),
+    )
+
+
+def raises_nothing_written(g, exc, match, fn):
+    g.snapshot()
+    with pytest.raises(exc, match=match):
+        fn()
+    assert g.unchanged()
+
+
+# The operators that write a cache, called on a KVLayerCache c with new keys/values kn, vn.
+WRITERS = {
+    "update_": lambda c, kn, vn: torch.ops.kvcache.update_(c.keys, c.values, kn, vn, 1),
+    "update_.Tensor": lambda c, kn, vn: torch.ops.kvcache.update_.Tensor(c.keys, c.values, kn, vn, torch.tensor([1, 2])),
+    "append_": lambda c, kn, vn: torch.ops.kvcache.append_(c.keys, c.values, c.length, kn, vn),
+    "select_rows_": lambda c, kn, vn: torch.ops.kvcache.select_rows_(c.keys, c.values, c.length, torch.tensor([1, 0])),
+}

@@ -634,6 +634,50 @@ def test_rollback_bad_values_poison_every_length(lengths, n, kv_start):
     assert ln.tolist() == lengths
 
 
+def test_rollback_0d_lengths_per_row_kv_start():
+    """A shared length is checked against every row's kv_start (as attend takes the pair)."""
+    with no_sync():
+        ok = ops.rollback(ints(8, torch.int32), ints(2), kv_start=ints([0, 3, 5]))
+        bad = ops.rollback(ints(8, torch.int32), ints(4), kv_start=ints([0, 3, 5]))  # row 2: 8 - 4 < 5
+    assert ok.shape == () and int(ok) == 6 and ok.dtype == torch.int32
+    assert bad.shape == () and int(bad) == -1
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [[True, False, True, False], [3, 1], [2, 2], 1, []],
+    ids=["mask", "indices", "repeats", "0-d", "empty"],
+)
+@pytest.mark.parametrize("len_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("rows_dtype", [None, torch.int32])
+def test_reset_rows(rows, len_dtype, rows_dtype):
+    lengths = ints([3, 4, 5, 6], len_dtype)
+    is_mask = isinstance(rows, list) and rows and isinstance(rows[0], bool)
+    if is_mask and rows_dtype is not None:
+        pytest.skip("a mask is bool")
+    r = torch.tensor(rows, dtype=torch.bool if is_mask else (rows_dtype or torch.int64), device=DEV)
+    expect = lengths.cpu().clone()
+    if is_mask:
+        expect[r.cpu()] = 0
+    else:
+        for i in r.cpu().reshape(-1).tolist():
+            expect[i] = 0
+    with no_sync():
+        out = ops.reset_rows(lengths, r)
+    assert out.cpu().tolist() == expect.tolist() and out.dtype == len_dtype
+    assert lengths.tolist() == [3, 4, 5, 6]  # the input is never written
+
+
+@pytest.mark.parametrize("rows", [[-1], [0, 4], [2**40]], ids=["negative", "past-batch", "huge"])
+def test_reset_rows_bad_index_poisons_every_length(rows):
+    lengths = ints([3, 4, 5, 6], torch.int32)
+    with no_sync():
+        out = ops.reset_rows(lengths, ints(rows))
+    assert out.tolist() == [-1, -1, -1, -1]
+    with pytest.raises(ValueError, match=r"rows \(a bool mask\) must have shape \(batch=4,\)"):
+        ops.reset_rows(lengths, torch.tensor([True], device=DEV))  # a host-visible shape: raised
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.complex128, torch.bool])
 @pytest.mark.parametrize(
     "index",
@@ -757,6 +801,8 @@ def opcheck_samples():
     yield "attend", ops.attend.default, (q, filled_k, filled_v, ints([9, 16])), {"kv_start": ints([0, 3]), "window": 5}
     yield "rollback", ops.rollback.default, (ints([9, 16]), ints([2, 1])), {}
     yield "select_rows_", ops.select_rows_.default, (filled_k, filled_v, ints([9, 16]), ints([1, 1])), {}
+    yield "append_returning_", ops.append_returning_.default, (keys, values, ints([2, 0], torch.int32), kn, vn), {}
+    yield "reset_rows", ops.reset_rows.default, (ints([9, 16]), ints([1])), {}
 
 
 @pytest.mark.parametrize("name,op,args,kwargs", list(opcheck_samples()) if torch.cuda.is_available() else [],

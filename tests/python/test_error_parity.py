@@ -93,6 +93,62 @@ def sel(k, v, lengths, index):
     return ops.select_rows_(k, v, lengths, index)
 
 
+def app_r(k, v, lengths, kn, vn):
+    return ops.append_returning_(k, v, lengths, kn, vn)
+
+
+def rst(lengths, rows):
+    return ops.reset_rows(lengths, rows)
+
+
+# The Python API's wrappers: they write cache.length themselves (copy_ of an
+# op's new lengths; traced append: append_returning_ + copy_), so their own
+# writes are in the table too. Each returns a new tensor so that the call is
+# not dead code.
+def w_append(k, v, length, kn, vn):
+    return kvcache.append_kv_layer_cache(kvcache.KVLayerCache(k, v, length), kn, vn).length + 0
+
+
+def w_rollback(k, v, length, n):
+    return kvcache.rollback_kv_layer_cache(kvcache.KVLayerCache(k, v, length), n).length + 0
+
+
+def w_rollback_ks(k, v, length, n, ks):
+    return kvcache.rollback_kv_layer_cache(kvcache.KVLayerCache(k, v, length), n, kv_start=ks).length + 0
+
+
+def w_select(k, v, length, index):
+    return kvcache.select_rows_kv_layer_cache(kvcache.KVLayerCache(k, v, length), index).length + 0
+
+
+def w_reset(k, v, length, rows):
+    return kvcache.reset_rows_kv_layer_cache(kvcache.KVLayerCache(k, v, length), rows).length + 0
+
+
+def expanded_length(dtype=torch.int64, value=1):
+    return torch.tensor(value, dtype=dtype).expand(B)
+def ring(k, v, pos, kn, vn, s, sinks=0):
+    return ops.ring_update_(k, v, pos, kn, vn, s, sinks=sinks)
+
+
+def ring_sinks(sinks):
+    return lambda k, v, pos, kn, vn, s: ops.ring_update_(k, v, pos, kn, vn, s, sinks=sinks)
+
+
+def ring_pos(shape=(B, T), dtype=torch.int32):
+    return torch.full(shape, -1, dtype=dtype)
+
+
+def att_ring(q, k, v, lengths, pos, sinks=0, window=4):
+    return ops.attend(q, k, v, lengths, window=window, positions=pos, sinks=sinks)
+
+
+def ring_pos_in_keys():
+    k, v = torch.zeros(B, H, T, D, dtype=torch.int32), torch.zeros(B, H, T, D, dtype=torch.int32)
+    one = torch.ones(B, H, 1, D, dtype=torch.int32)
+    return (k, v, k[:, 0, :, 0], one, one.clone(), torch.tensor(0))
+
+
 def init(*sizes, dtype=None):
     return lambda: ops.init_layer_cache(*sizes, dtype=dtype)
 
@@ -256,6 +312,51 @@ CASES = [
     Case("append_/lengths-in-cache", app, append_lengths_in_cache),
     Case("append_/lengths-overflow", app, lambda: (*cache(), torch.tensor([T, 0]), *new(1)), runtime=True),
     Case("append_/lengths-int64-max", app, lambda: (*cache(), torch.tensor(INT64_MAX), *new(1)), runtime=True),
+    # --- append_returning_ (traced append: append_'s checks and messages) ---
+    Case("append_returning_/lengths-float", app_r, lambda: (*cache(), torch.tensor(0.0), *new(1))),
+    Case("append_returning_/lengths-int16", app_r, lambda: (*cache(), torch.tensor(0, dtype=torch.int16), *new(1))),
+    Case("append_returning_/lengths-expanded", app_r, lambda: (*cache(), expanded_length(), *new(1))),
+    Case("append_returning_/lengths-aliases-keys_new", app_r, lengths_aliasing_new),
+    Case("append_returning_/lengths-in-cache", app_r, append_lengths_in_cache),
+    Case("append_returning_/lengths-overflow", app_r, lambda: (*cache(), torch.tensor([T, 7]), *new(2)),
+         runtime=True),
+    Case("append_returning_/lengths-negative", app_r, lambda: (*cache(), torch.tensor([0, -1]), *new(1)),
+         runtime=True),
+    # --- the Python API's wrappers (their own length writes included) ---
+    Case("append_kv_layer_cache/lengths-overflow", w_append, lambda: (*cache(), torch.tensor([0, 7]), *new(2)),
+         runtime=True),
+    Case("append_kv_layer_cache/lengths-negative", w_append, lambda: (*cache(), torch.tensor([0, -1]), *new(1)),
+         runtime=True),
+    Case("append_kv_layer_cache/lengths-int16", w_append,
+         lambda: (*cache(), torch.tensor(0, dtype=torch.int16), *new(1))),
+    Case("append_kv_layer_cache/lengths-expanded", w_append, lambda: (*cache(), expanded_length(), *new(1))),
+    Case("append_kv_layer_cache/lengths-in-cache", w_append, append_lengths_in_cache),
+    Case("append_kv_layer_cache/keys_new-aliases-lengths", w_append, lengths_aliasing_new),
+    Case("append_kv_layer_cache/keys_new-dtype", w_append,
+         lambda: (*cache(), torch.tensor([0, 0]), new(1)[0].double(), new(1)[1])),
+    Case("rollback_kv_layer_cache/lengths-expanded", w_rollback, lambda: (*cache(), expanded_length(), torch.tensor(1))),
+    Case("rollback_kv_layer_cache/n-float", w_rollback, lambda: (*cache(), torch.tensor([3, 4]), torch.tensor(1.0))),
+    Case("rollback_kv_layer_cache/n-over-lengths", w_rollback,
+         lambda: (*cache(), torch.tensor([3, 4]), torch.tensor([1, 5])), runtime=True),
+    Case("rollback_kv_layer_cache/0d-lengths-kv_start-over", w_rollback_ks,
+         lambda: (*cache(), torch.tensor(4), torch.tensor(2), torch.tensor([0, 3])), runtime=True),
+    Case("select_rows_kv_layer_cache/lengths-expanded", w_select,
+         lambda: (*cache(), expanded_length(), torch.tensor([1, 0]))),
+    Case("select_rows_kv_layer_cache/index-float", w_select,
+         lambda: (*cache(), torch.tensor([1, 1]), torch.tensor([0.0, 1.0]))),
+    Case("select_rows_kv_layer_cache/index-out-of-range", w_select,
+         lambda: (*cache(), torch.tensor([1, 1]), torch.tensor([0, 2])), runtime=True),
+    Case("reset_rows_kv_layer_cache/lengths-expanded", w_reset,
+         lambda: (*cache(), expanded_length(), torch.tensor([0]))),
+    Case("reset_rows_kv_layer_cache/lengths-0d", w_reset, lambda: (*cache(), torch.tensor(3), torch.tensor([0]))),
+    Case("reset_rows_kv_layer_cache/mask-short", w_reset,
+         lambda: (*cache(), torch.tensor([3, 4]), torch.tensor([True]))),
+    Case("reset_rows_kv_layer_cache/rows-int16", w_reset,
+         lambda: (*cache(), torch.tensor([3, 4]), torch.tensor([0], dtype=torch.int16))),
+    Case("reset_rows_kv_layer_cache/rows-negative", w_reset,
+         lambda: (*cache(), torch.tensor([3, 4]), torch.tensor([-1])), runtime=True),
+    Case("reset_rows_kv_layer_cache/rows-out-of-range", w_reset,
+         lambda: (*cache(), torch.tensor([3, 4]), torch.tensor([0, 9])), runtime=True),
     # --- attend ---
     Case("attend/q-3d", att(), lambda: (torch.randn(B, H, D), *cache(), torch.tensor(3))),
     Case("attend/q-head_dim", att(), lambda: (q_(d=D + 1), *cache(), torch.tensor(3))),
@@ -267,6 +368,10 @@ CASES = [
     Case("attend/scale-nan", att(scale=float("nan")), lambda: (q_(), *cache(), torch.tensor(3))),
     Case("attend/window-negative", att(window=-1), lambda: (q_(), *cache(), torch.tensor(3))),
     Case("attend/softcap-inf", att(softcap=float("inf")), lambda: (q_(), *cache(), torch.tensor(3))),
+    Case("attend/scale-over-float32", att(scale=1e39), lambda: (q_(), *cache(), torch.tensor(3))),
+    Case("attend/scale-under-float32", att(scale=1e-46), lambda: (q_(), *cache(), torch.tensor(3))),
+    Case("attend/softcap-over-float32", att(softcap=1e39), lambda: (q_(), *cache(), torch.tensor(3))),
+    Case("attend/softcap-under-float32", att(softcap=1e-46), lambda: (q_(), *cache(), torch.tensor(3))),
     Case("attend/lengths-float", att(), lambda: (q_(), *cache(), torch.tensor(3.0))),
     Case("attend/kv_start-shape", att_ks, lambda: (q_(), *cache(), torch.tensor(3), torch.zeros(B + 1, dtype=torch.int64))),
     Case("attend/q-requires-grad", att(), lambda: grad(0, lambda: (q_(), *cache(), torch.tensor(3)))),
@@ -318,6 +423,10 @@ CASES = [
     Case("rollback_/n-negative", rb, lambda: (torch.tensor([3, 4]), torch.tensor(-1)), runtime=True),
     Case("rollback_/kv_start-over-lengths", rb_ks, lambda: (torch.tensor([3, 4]), torch.tensor(0), torch.tensor([0, 9])),
          runtime=True),
+    Case("rollback_/0d-lengths-kv_start-2d", rb_ks,
+         lambda: (torch.tensor(4), torch.tensor(1), torch.zeros(1, 2, dtype=torch.int64))),
+    Case("rollback_/0d-lengths-kv_start-over", rb_ks, lambda: (torch.tensor(4), torch.tensor(2), torch.tensor([0, 3])),
+         runtime=True),
     # --- select_rows_ ---
     Case("select_rows_/index-0d", sel, lambda: (*cache(), torch.tensor([1, 1]), torch.tensor(0))),
     Case("select_rows_/index-float", sel, lambda: (*cache(), torch.tensor([1, 1]), torch.tensor([0.0, 1.0]))),
@@ -326,6 +435,35 @@ CASES = [
     Case("select_rows_/index-out-of-range", sel, lambda: (*cache(), torch.tensor([1, 1]), torch.tensor([0, 2])),
          runtime=True),
     Case("select_rows_/lengths-over-max_len", sel, lambda: (*cache(), torch.tensor([1, T + 1]), torch.tensor([1, 0])),
+         runtime=True),
+    # --- reset_rows ---
+    Case("reset_rows/lengths-0d", rst, lambda: (torch.tensor(3), torch.tensor([0]))),
+    Case("reset_rows/lengths-float", rst, lambda: (torch.tensor([3.0, 4.0]), torch.tensor([0]))),
+    Case("reset_rows/mask-short", rst, lambda: (torch.tensor([3, 4]), torch.tensor([True]))),
+    Case("reset_rows/mask-long", rst, lambda: (torch.tensor([3, 4]), torch.tensor([True, False, True]))),
+    Case("reset_rows/rows-2d", rst, lambda: (torch.tensor([3, 4]), torch.tensor([[0]]))),
+    Case("reset_rows/rows-int16", rst, lambda: (torch.tensor([3, 4]), torch.tensor([0], dtype=torch.int16))),
+    Case("reset_rows/rows-float", rst, lambda: (torch.tensor([3, 4]), torch.tensor([0.0]))),
+    Case("reset_rows/rows-device", rst, lambda: (torch.tensor([3, 4]), torch.tensor([0], device="meta"))),
+    Case("reset_rows/rows-negative", rst, lambda: (torch.tensor([3, 4]), torch.tensor([-1])), runtime=True),
+    Case("reset_rows/rows-out-of-range", rst, lambda: (torch.tensor([3, 4]), torch.tensor([0, 2])), runtime=True),
+    # --- ring_update_ ---
+    Case("ring_update_/positions-int64", ring, lambda: (*cache(), ring_pos(dtype=torch.int64), *new(1), torch.tensor(0))),
+    Case("ring_update_/positions-shape", ring, lambda: (*cache(), ring_pos((B, T + 1)), *new(1), torch.tensor(0))),
+    Case("ring_update_/positions-in-keys", ring, ring_pos_in_keys),
+    Case("ring_update_/keys_new-head_dim", ring, lambda: (*cache(), ring_pos(), *new(1, D + 1), torch.tensor(0))),
+    Case("ring_update_/start-float", ring, lambda: (*cache(), ring_pos(), *new(1), torch.tensor(0.0))),
+    Case("ring_update_/sinks-negative", ring_sinks(-1), lambda: (*cache(), ring_pos(), *new(1), torch.tensor(0))),
+    Case("ring_update_/sinks-capacity", ring_sinks(T), lambda: (*cache(), ring_pos(), *new(1), torch.tensor(0))),
+    Case("ring_update_/start-negative", ring, lambda: (*cache(), ring_pos(), *new(1), torch.tensor([0, -1])),
+         runtime=True),
+    Case("ring_update_/start-int32-overflow", ring,
+         lambda: (*cache(), ring_pos(), *new(2), torch.tensor(2**31 - 2)), runtime=True),
+    # --- attend over a ring ---
+    Case("attend/positions-shape", att_ring, lambda: (q_(), *cache(), torch.tensor(3), ring_pos((B, T - 1)))),
+    Case("attend/positions-int64", att_ring, lambda: (q_(), *cache(), torch.tensor(3), ring_pos(dtype=torch.int64))),
+    Case("attend/sinks-without-positions", att(sinks=2), lambda: (q_(), *cache(), torch.tensor(3))),
+    Case("attend/ring-lengths-over-int32", att_ring, lambda: (q_(), *cache(), torch.tensor(2**31), ring_pos()),
          runtime=True),
     # --- init_layer_cache ---
     Case("init_layer_cache/negative-batch", init(-1, 2, 4, 8), lambda: ()),
@@ -404,18 +542,10 @@ def test_traced_error_is_eager_error(case, mode):
 
 def test_table_covers_every_operator():
     names = {c.id.split("/")[0] for c in CASES}
-    assert names == {
-        "update_",
-        "update_.Tensor",
-        "append_",
-        "update_quantized_",
-        "update_quantized_.Tensor",
-        "append_quantized_",
-        "attend",
-        "rollback_",
-        "select_rows_",
-        "init_layer_cache",
-    }
+    assert names == {"update_", "update_.Tensor", "append_", "append_returning_", "attend", "rollback_",
+                     "select_rows_", "reset_rows", "init_layer_cache", "ring_update_", "append_kv_layer_cache",
+                     "rollback_kv_layer_cache", "select_rows_kv_layer_cache", "reset_rows_kv_layer_cache",
+                     "update_quantized_", "update_quantized_.Tensor", "append_quantized_"}
     assert all(isinstance(run_eager(c), (ValueError, TypeError)) for c in CASES if "requires-grad" not in c.id)
 
 

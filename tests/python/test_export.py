@@ -58,16 +58,17 @@ def fresh_module(exported):
 def test_exported_decode_step_has_the_ops_and_mutates_buffers(exported):
     """The write and attend run on the whole cache buffers; functionalized, exactly those are mutated.
 
-    Traced, append_kv_layer_cache writes with update_.Tensor at the lengths and
-    copies the new lengths back (a functional length: see cache.py).
+    Traced, append_kv_layer_cache writes with append_returning_ at the lengths and
+    copies the new lengths back (a functional length: see cache._append).
     """
     buffers = exported.graph_signature.inputs_to_buffers
-    calls = [n for n in exported.graph.nodes if n.op == "call_function" and "kvcache.update_.Tensor" in str(n.target)]
+    calls = [n for n in exported.graph.nodes
+             if n.op == "call_function" and "kvcache.append_returning_" in str(n.target)]
     assert len(calls) == CFG.num_layers
     for i, node in enumerate(calls):
         assert buffers[node.args[0].name] == f"caches.{i}.keys"
         assert buffers[node.args[1].name] == f"caches.{i}.values"
-        assert buffers[node.args[4].name] == f"caches.{i}.lengths"
+        assert buffers[node.args[2].name] == f"caches.{i}.lengths"
     attends = [n for n in exported.graph.nodes if n.op == "call_function" and "kvcache.attend" in str(n.target)]
     assert len(attends) == CFG.num_layers
     mutated = exported.run_decompositions().graph_signature.buffers_to_mutate

@@ -251,7 +251,7 @@ def test_deepcopy_registers_the_copy():
         model(input_ids=ids, attention_mask=mask, **{kh.CACHE_ARG: cache})
     twin = copy.deepcopy(cache)
     for a, b in zip(cache.layers, twin.layers):
-        assert kh._layer_of(b.keys, b.values) is b and kh._layer_of(a.keys, a.values) is a
+        assert kh._registry.layer_of(b.keys, b.values) is b and kh._registry.layer_of(a.keys, a.values) is a
         assert b.keys.data_ptr() != a.keys.data_ptr() and torch.equal(a.keys, b.keys)
         assert torch.equal(a.lengths, b.lengths)
     twin.crop(-2)  # the copy moves alone
@@ -375,9 +375,9 @@ def test_compiled_decode_one_graph_kvcache_ops_on_buffers():
     model.generation_config.compile_config = None
 
     code = "\n".join(codes)
-    # traced, a layer writes with update_.Tensor at its lengths (the new
-    # lengths are copied back: kvcache.hf.KVCacheLayer.update)
-    writes = re.findall(r"torch\.ops\.kvcache\.update_\.Tensor\(([^,]+), ([^,]+),", code)
+    # traced, a layer writes with append_returning_ at its lengths (the new
+    # lengths are copied back: kvcache.cache._append)
+    writes = re.findall(r"torch\.ops\.kvcache\.append_returning_\.default\(([^,]+), ([^,]+),", code)
     attends = re.findall(r"torch\.ops\.kvcache\.attend\.default\([^,]+, ([^,]+), ([^,]+), [^,]+,", code)
     assert len(writes) == len(attends) == COMMON["num_hidden_layers"]
     # the ops write and read the cache's own buffers (graph inputs), not copies
@@ -482,6 +482,28 @@ def test_per_row_rollback_and_reset_rows():
     assert all(l.lengths.tolist() == [6, 0, 1] for l in cache.layers)
 
 
+@pytest.mark.parametrize(
+    "rows,exc",
+    [(torch.tensor([True]), ValueError), (torch.tensor([-1]), ValueError), (torch.tensor([0, 9]), ValueError),
+     (torch.tensor([0], dtype=torch.int16), TypeError), ([0], TypeError)],
+    ids=["short-mask", "negative", "out-of-range", "int16", "list"],
+)
+def test_reset_rows_bad_rows_leave_every_layer_unchanged(rows, exc):
+    """issue 17: layer 0 was reset before layer 1 refused the rows."""
+    model = model_for("llama")
+    cache = kh.KVCache(model.config, 16, batch_size=3, dtype=torch.float64, device="cpu")
+    layers = [la for la in cache.layers if isinstance(la, kh.KVCacheLayer)]
+    assert len(layers) >= 2
+    for layer in layers:
+        _fill(layer, 6, 0)
+    cache.rollback(torch.tensor([0, 2, 5]))
+    with pytest.raises(exc, match="rows"):
+        cache.reset_rows(rows)
+    assert all(la.lengths.tolist() == [6, 4, 1] for la in layers)
+    cache.reset_rows(torch.tensor([2, 0], dtype=torch.int32))  # int32 indices accepted
+    assert all(la.lengths.tolist() == [0, 4, 0] for la in layers)
+
+
 def _ref_rows(keys, lengths):
     return [keys[b, :, : int(n)] for b, n in enumerate(lengths)]
 
@@ -534,7 +556,7 @@ def test_batch_repeat_interleave_and_growing_selection():
     assert torch.equal(layer.lengths, lengths[idx])
     for got, want in zip(_ref_rows(layer.keys, layer.lengths), _ref_rows(keys[idx], lengths[idx])):
         assert torch.equal(got, want)
-    assert kh._layer_of(layer.keys, layer.values) is layer  # the new buffers are registered
+    assert kh._registry.layer_of(layer.keys, layer.values) is layer  # the new buffers are registered
     layer.batch_select_indices(torch.tensor([5, 0, 0, 1, 2, 3, 4]))  # 7 > 6 rows: grows again
     assert layer.keys.shape[0] == 7 and layer.lengths.tolist() == [2, 4, 4, 4, 4, 2, 2]
 
@@ -585,15 +607,15 @@ def test_attention_over_foreign_keys_shifts_offsets():
 
 def test_registry_is_weak_and_checks_identity():
     layer = _layer_cache()
-    assert kh._layer_of(layer.keys, layer.values) is layer
-    assert kh._layer_of(layer.keys, layer.values.clone()) is None  # values must be the layer's too
-    assert kh._layer_of(layer.keys.clone(), layer.values) is None
+    assert kh._registry.layer_of(layer.keys, layer.values) is layer
+    assert kh._registry.layer_of(layer.keys, layer.values.clone()) is None  # values must be the layer's too
+    assert kh._registry.layer_of(layer.keys.clone(), layer.values) is None
     key = id(layer.keys)
     del layer
     import gc
 
     gc.collect()
-    assert key not in kh._LAYERS
+    assert key not in kh._registry._LAYERS
 
 
 # ------------------------------------------------------------------- errors

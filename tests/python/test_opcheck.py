@@ -48,6 +48,15 @@ def test_opcheck_update_at(sample, positions):
     assert all(v == "SUCCESS" for v in result.values()), result
 
 
+@pytest.mark.parametrize("sample", list(update_samples()), ids=lambda s: f"{s[0].dtype}-{tuple(s[2].shape)}-{s[0].is_contiguous()}")
+@pytest.mark.parametrize("lengths", [torch.tensor(3), torch.tensor([0, 9], dtype=torch.int32)], ids=["scalar", "ragged"])
+def test_opcheck_append_returning(sample, lengths):
+    keys, values, kn, vn = sample
+    result = opcheck(torch.ops.kvcache.append_returning_.default, (keys, values, lengths, kn, vn),
+                     test_utils=ALL_CHECKS)
+    assert all(v == "SUCCESS" for v in result.values()), result
+
+
 @pytest.mark.parametrize("dtype", [None, torch.float32, torch.bfloat16, torch.int8])
 def test_opcheck_init(dtype):
     result = opcheck(
@@ -80,6 +89,24 @@ def _attend_samples():
         lengths = torch.tensor([5, 16], dtype=torch.int32)
         yield (q, keys, values, lengths), {}
         yield (q, keys, values, lengths), {"kv_start": torch.tensor([1, 3]), "window": 3, "softcap": 5.0, "scale": 0.5}
+
+
+def _ring_attend_samples():
+    # A ring of capacity 7 (window 4, sinks 1, max_step 3) after 9 tokens: wrapped.
+    ring = kvcache.init_ring_layer_cache(2, 2, 8, 4, torch.float32, sinks=1, max_step=3)
+    kvcache.update_ring_layer_cache(ring, *_cache(max_len=9), 0)
+    q = random_tensor((2, 4, 2, 8), torch.float32, seed=7)
+    yield (q, ring.keys, ring.values, torch.tensor(9, dtype=torch.int32)), {"window": 4, "positions": ring.positions,
+                                                                            "sinks": 1}
+
+
+def _ring_update_samples():
+    for start in (torch.tensor(3), torch.tensor([0, 9], dtype=torch.int32)):
+        keys, values = _cache(max_len=7)
+        positions = torch.full((2, 7), -1, dtype=torch.int32)
+        kn = random_tensor((2, 2, 3, 8), torch.float32, seed=5)
+        vn = random_tensor((2, 2, 3, 8), torch.float32, seed=6)
+        yield (keys, values, positions, kn, vn, start), {"sinks": 2}
 
 
 def _rollback_samples():
@@ -148,9 +175,14 @@ SAMPLES = {
     "update_quantized_": lambda: _update_quantized_samples(5),
     "update_quantized_.Tensor": lambda: _update_quantized_samples(torch.tensor([0, 9], dtype=torch.int32)),
     "append_quantized_": _append_quantized_samples,
-    "attend": lambda: [*_attend_samples(), *_attend_quantized_samples()],
+    "attend": lambda: [*_attend_samples(), *_ring_attend_samples(), *_attend_quantized_samples()],
+    "ring_update_": _ring_update_samples,
     "rollback": _rollback_samples,
     "select_rows_": _select_rows_samples,
+    "append_returning_": _append_samples,
+    "reset_rows": lambda: [((torch.tensor([3, 4, 5], dtype=torch.int32), r), {})
+                           for r in (torch.tensor([True, False, True]), torch.tensor([2, 0]), torch.tensor(1))],
+    "check_lengths_writable": lambda: [((torch.tensor([3, 4], dtype=torch.int32),), {}), ((torch.tensor(5),), {})],
 }
 OPERATORS = [op["name"] for op in kvcache._C.operators]
 

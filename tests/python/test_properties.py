@@ -136,7 +136,7 @@ def start_values(max_len, chunk):
     valid = st.integers(0, hi) if hi >= 0 else st.nothing()
     candidates = [-1, INT32_MIN, INT64_MIN, INT64_MIN + 1, hi + 1, max_len + 1, INT32_MAX, INT32_MAX - chunk + 1,
                   2**32 + max(hi, 0), 2**32 - 1, INT64_MAX, INT64_MAX - chunk + 1, INT64_MAX - max_len, 2**62]
-    # The ops take int64 (Python ints beyond it are the Python API's job: test_reliability).
+    # The ops take int64 (Python ints beyond it are the Python API's job: test_bounds).
     invalid = st.sampled_from([v for v in candidates if INT64_MIN <= v <= INT64_MAX and not 0 <= v <= hi])
     return st.one_of(valid, valid, invalid)  # valid twice as often
 

@@ -288,7 +288,7 @@ def test_select_rows_moves_scales_with_data(kv_dtype):
     c = kvcache.KVLayerCache(c.keys, c.values, torch.tensor([5, 12, 3], dtype=torch.int32), c.k_scale, c.v_scale)
     before = snapshot(c)
     index = torch.tensor([2, 0, 0])
-    kvcache.select_kv_layer_cache_rows(c, index)
+    kvcache.select_rows_kv_layer_cache(c, index)
     assert c.length.tolist() == [3, 5, 5]
     for got, old in zip((c.keys, c.values, c.k_scale, c.v_scale), before):
         for b, src in enumerate(index.tolist()):
@@ -306,7 +306,7 @@ def test_rollback_and_reset_touch_only_lengths():
     before = snapshot(c)
     kvcache.rollback_kv_layer_cache(c, torch.tensor([2, 4]))
     assert c.length.tolist() == [3, 5]
-    kvcache.reset_kv_layer_cache_rows(c, torch.tensor([False, True]))
+    kvcache.reset_rows_kv_layer_cache(c, torch.tensor([False, True]))
     assert c.length.tolist() == [3, 0]
     for got, old in zip((c.keys, c.values, c.k_scale, c.v_scale), before):
         assert_bytes_equal(got, old)

@@ -137,7 +137,7 @@ def test_select_rows_matches_indexing_a_clone(index, index_dtype, device):
     cache = ragged_cache(device=device)
     ref_k, ref_v, ref_len = reference_select(cache, index)
     addresses = (cache.keys.data_ptr(), cache.values.data_ptr(), cache.length.data_ptr())
-    kvcache.select_kv_layer_cache_rows(cache, torch.tensor(index, dtype=index_dtype, device=device))
+    kvcache.select_rows_kv_layer_cache(cache, torch.tensor(index, dtype=index_dtype, device=device))
     assert (cache.keys.data_ptr(), cache.values.data_ptr(), cache.length.data_ptr()) == addresses
     assert_same(cache.length, ref_len)
     for b in range(B):  # the filled part of every row is the source's
@@ -164,7 +164,7 @@ def test_select_rows_cycles_and_trees(index):
     big.values.copy_(random_tensor((9, H, T, D), torch.float32, seed=8))
     cache = kvcache.KVLayerCache(big.keys, big.values, torch.tensor([5, 16, 0, 9, 1, 16, 3, 12, 7]))
     ref_k, ref_v, ref_len = reference_select(cache, index)
-    kvcache.select_kv_layer_cache_rows(cache, torch.tensor(index))
+    kvcache.select_rows_kv_layer_cache(cache, torch.tensor(index))
     assert_same(cache.length, ref_len)
     assert_same(cache.keys, ref_k)  # filled slots from the source; past them, the row's own bytes
     assert_same(cache.values, ref_v)
@@ -177,7 +177,7 @@ def test_select_rows_every_dtype_and_strided_cache(dtype):
     cache = kvcache.KVLayerCache(keys, values, torch.tensor([3, 0, 16, 7]))
     index = [2, 3, 3, 0]
     ref_k, ref_v, ref_len = reference_select(cache, index)
-    kvcache.select_kv_layer_cache_rows(cache, torch.tensor(index))
+    kvcache.select_rows_kv_layer_cache(cache, torch.tensor(index))
     assert_same(cache.length, ref_len)
     for b in range(B):
         n = int(ref_len[b])
@@ -189,7 +189,7 @@ def test_select_rows_copies_only_filled_slots():
     """Slots past each source row's length are not copied (O(content)): the destination keeps its bytes there."""
     cache = ragged_cache(lengths=(2, 3, 0, 1))
     before = cache.keys.clone()
-    kvcache.select_kv_layer_cache_rows(cache, torch.tensor([1, 0, 3, 2]))
+    kvcache.select_rows_kv_layer_cache(cache, torch.tensor([1, 0, 3, 2]))
     assert torch.equal(cache.keys[0, :, 3:], before[0, :, 3:])  # row 0 took 3 slots of row 1
     assert torch.equal(cache.keys[1, :, 2:], before[1, :, 2:])
     assert torch.equal(cache.keys[3, :, :], before[3, :, :])  # its source (row 2) is empty
@@ -199,7 +199,7 @@ def test_select_rows_with_0d_lengths():
     cache = ragged_cache()
     cache = kvcache.KVLayerCache(cache.keys, cache.values, torch.tensor(6, dtype=torch.int32))
     ref_k, ref_v, _ = reference_select(cache, [3, 3, 1, 0])
-    kvcache.select_kv_layer_cache_rows(cache, torch.tensor([3, 3, 1, 0]))
+    kvcache.select_rows_kv_layer_cache(cache, torch.tensor([3, 3, 1, 0]))
     assert int(cache.length) == 6
     assert_same(cache.keys[:, :, :6], ref_k[:, :, :6])
     assert_same(cache.values[:, :, :6], ref_v[:, :, :6])
@@ -216,7 +216,7 @@ def test_select_rows_bad_index_writes_nothing(index, match):
     cache = ragged_cache()
     before = (cache.keys.clone(), cache.values.clone(), cache.length.clone())
     with pytest.raises(ValueError, match=match):
-        kvcache.select_kv_layer_cache_rows(cache, torch.tensor(index))
+        kvcache.select_rows_kv_layer_cache(cache, torch.tensor(index))
     for a, b in zip((cache.keys, cache.values, cache.length), before):
         assert torch.equal(a, b)
 
@@ -224,9 +224,9 @@ def test_select_rows_bad_index_writes_nothing(index, match):
 def test_select_rows_argument_errors():
     cache = ragged_cache()
     with pytest.raises(ValueError, match=r"index must have shape \(batch=4,\), got shape \[3\]"):
-        kvcache.select_kv_layer_cache_rows(cache, torch.tensor([0, 1, 2]))
+        kvcache.select_rows_kv_layer_cache(cache, torch.tensor([0, 1, 2]))
     with pytest.raises(TypeError, match="index must be an int32 or int64 tensor, got dtype torch.float32"):
-        kvcache.select_kv_layer_cache_rows(cache, torch.zeros(4))
+        kvcache.select_rows_kv_layer_cache(cache, torch.zeros(4))
     with pytest.raises(ValueError, match="lengths must be in \\[0, max_len=16\\], got 17 at index 1"):
         torch.ops.kvcache.select_rows_(cache.keys, cache.values, torch.tensor([0, 17, 0, 0]), torch.arange(4))
     # an index read from the cache's own memory (the kernel reads it while rows move)
@@ -240,9 +240,9 @@ def test_select_rows_argument_errors():
 
 def test_reset_rows_then_prefill_equals_fresh_cache():
     cache = ragged_cache(lengths=(5, 16, 2, 9))
-    kvcache.reset_kv_layer_cache_rows(cache, torch.tensor([False, True, False, True]))
+    kvcache.reset_rows_kv_layer_cache(cache, torch.tensor([False, True, False, True]))
     assert cache.length.tolist() == [5, 0, 2, 0]
-    kvcache.reset_kv_layer_cache_rows(cache, torch.tensor([0]))
+    kvcache.reset_rows_kv_layer_cache(cache, torch.tensor([0]))
     assert cache.length.tolist() == [0, 0, 2, 0]
     # row 1 takes a new request: prefill 3 tokens through append (row 3 too, its own request)
     k = random_tensor((B, H, 3, D), torch.float32, seed=11)
@@ -262,9 +262,9 @@ def test_reset_rows_errors():
     cache = ragged_cache()
     shared = kvcache.KVLayerCache(cache.keys, cache.values, torch.tensor(3))
     with pytest.raises(ValueError, match=r"needs a per-row length of shape \(batch,\)"):
-        kvcache.reset_kv_layer_cache_rows(shared, torch.tensor([0]))
-    with pytest.raises(TypeError, match="rows must be a bool mask or an integer tensor"):
-        kvcache.reset_kv_layer_cache_rows(cache, torch.tensor([0.0]))
+        kvcache.reset_rows_kv_layer_cache(shared, torch.tensor([0]))
+    with pytest.raises(TypeError, match="rows must be a bool mask or an int32 or int64 tensor of row indices"):
+        kvcache.reset_rows_kv_layer_cache(cache, torch.tensor([0.0]))
 
 
 # ------------------------------------------------------------ compile/opcheck ---
@@ -277,7 +277,7 @@ def test_compiled_rollback_and_select_no_recompiles():
 
     def step(cache, n, index, k, v, q):
         kvcache.rollback_kv_layer_cache(cache, n)
-        kvcache.select_kv_layer_cache_rows(cache, index)
+        kvcache.select_rows_kv_layer_cache(cache, index)
         kvcache.append_kv_layer_cache(cache, k, v)
         return kvcache.attend(q, cache)
 
@@ -320,3 +320,15 @@ def test_opcheck_rows_ops():
                          (cache.keys.clone(), cache.values.clone(), lengths, torch.tensor([3, 0, 0, 1])),
                          test_utils=checks)
         assert all(v == "SUCCESS" for v in result.values()), result
+
+
+def test_previous_names_are_deprecated_aliases():
+    """select_kv_layer_cache_rows / reset_kv_layer_cache_rows still work for one release, warning."""
+    cache = ragged_cache()
+    ref_k, _, ref_len = reference_select(cache, [1, 0, 3, 2])
+    with pytest.warns(DeprecationWarning, match="select_rows_kv_layer_cache"):
+        assert kvcache.select_kv_layer_cache_rows(cache, torch.tensor([1, 0, 3, 2])) is cache
+    assert_same(cache.length, ref_len)
+    with pytest.warns(DeprecationWarning, match="reset_rows_kv_layer_cache"):
+        kvcache.reset_kv_layer_cache_rows(cache, torch.tensor([0]))
+    assert cache.length.tolist() == [0] + ref_len.tolist()[1:]

@@ -58,6 +58,11 @@ struct AttendOptions {
   int64_t window = 0;
   /// > 0: scores become softcap * tanh(score / softcap).
   double softcap = 0.0;
+  /// A ring's (batch, capacity) int32 slot positions (-1: empty): the cache
+  /// is read by logical position (see RingLayerCache). Default: linear.
+  std::optional<at::Tensor> positions;
+  /// With positions: the first `sinks` positions are always visible.
+  int64_t sinks = 0;
   /// A quantized cache's scales (both or neither; set by
   /// attend(q, cache, options) from the cache).
   std::optional<at::Tensor> k_scale;
@@ -142,6 +147,13 @@ KVCACHE_API at::Tensor select_rows_(at::Tensor& keys, at::Tensor& values,
                                     const at::Tensor& lengths,
                                     const at::Tensor& index);
 
+/// kvcache::reset_rows: returns lengths ((batch,)) with the rows selected by
+/// `rows` set to 0, a new tensor. rows: a (batch,) bool mask, or int32/int64
+/// indices in [0, batch). Throws on a bad rows (CPU indices too); on CUDA an
+/// index out of range makes every returned length -1 instead.
+KVCACHE_API at::Tensor reset_rows(const at::Tensor& lengths,
+                                  const at::Tensor& rows);
+
 // ---- The API of the original module, and what a decode loop needs ---------
 
 /// Creates a zero-filled KVLayerCache with length 0.
@@ -199,9 +211,90 @@ KVCACHE_API KVLayerCache rollback_kv_layer_cache(
 KVCACHE_API KVLayerCache select_rows_kv_layer_cache(const KVLayerCache& cache,
                                                     const at::Tensor& index);
 
+/// Empties the rows `rows` selects (a (batch,) bool mask, or int32/int64
+/// indices in [0, batch)): their cache.length becomes 0, in place, O(1) per
+/// row (nothing is zeroed). cache.length must be (batch,). Returns `cache`.
+KVCACHE_API KVLayerCache reset_rows_kv_layer_cache(const KVLayerCache& cache,
+                                                   const at::Tensor& rows);
+
 /// Attention of q over the filled slots of `cache` (see attend above).
 KVCACHE_API at::Tensor attend(const at::Tensor& q, const KVLayerCache& cache,
                               const AttendOptions& options = {});
+
+// ---- Ring caches (sliding-window layers with sinks) -------------------------
+
+/// Default R of a ring: the most tokens one write may add and be attended
+/// inside the ring, and the deepest exact rollback.
+constexpr int64_t kDefaultRingMaxStep = 64;
+
+/// A sliding-window layer's cache as a ring of capacity = sinks + window +
+/// max_step - 1 slots. Position p lives at slot p if p < sinks, else at
+/// sinks + (p - sinks) % (capacity - sinks); positions records the logical
+/// position each slot holds (-1: empty); length is the logical length.
+///
+/// keys, values: (batch, num_kv_heads, capacity, head_dim).
+/// positions:    (batch, capacity) int32.
+/// length:       int32, 0-D or (batch,).
+struct RingLayerCache {
+  at::Tensor keys;
+  at::Tensor values;
+  at::Tensor positions;
+  at::Tensor length;
+  int64_t window = 1;
+  int64_t sinks = 0;
+  int64_t max_step = kDefaultRingMaxStep;
+
+  int64_t capacity() const { return keys.size(2); }
+};
+
+/// What a chunk's queries attend over after write_ring_layer_cache: the
+/// ring itself, or (a chunk longer than max_step) a temporary concatenation
+/// of the ring's slots from before the write and the chunk.
+struct RingKV {
+  at::Tensor keys;
+  at::Tensor values;
+  at::Tensor positions;
+  at::Tensor length;  // logical length after the write
+  int64_t window = 1;
+  int64_t sinks = 0;
+};
+
+/// kvcache::ring_update_: writes keys_new / values_new at the logical
+/// positions [start, start + chunk) of each row (start: int32/int64, 0-D or
+/// (batch,), read on the device) and records them in positions, in one pass;
+/// a chunk longer than the ring writes only what it keeps. Returns start +
+/// chunk (int32). Throws c10::ValueError for a negative start or one past
+/// int32 (CPU); on CUDA nothing is written and every returned length is -1.
+KVCACHE_API at::Tensor ring_update_(at::Tensor& keys, at::Tensor& values,
+                                    at::Tensor& positions,
+                                    const at::Tensor& keys_new,
+                                    const at::Tensor& values_new,
+                                    const at::Tensor& start, int64_t sinks = 0);
+
+/// Creates an empty ring (zero buffers, positions -1, length 0). Throws
+/// c10::ValueError for window < 1, sinks < 0, max_step < 1 or a capacity of
+/// 2^31 or more.
+KVCACHE_API RingLayerCache init_ring_layer_cache(
+    int64_t batch_size, int64_t num_kv_heads, int64_t head_dim, int64_t window,
+    at::ScalarType dtype, c10::Device device = c10::kCPU, int64_t sinks = 0,
+    int64_t max_step = kDefaultRingMaxStep);
+
+/// Writes a chunk at cache.length (advanced in place) and returns what the
+/// chunk's queries attend over (see RingKV): write-then-attend for any
+/// chunk length, exact.
+KVCACHE_API RingKV write_ring_layer_cache(const RingLayerCache& cache,
+                                          const at::Tensor& keys_new,
+                                          const at::Tensor& values_new);
+
+/// Attention of q over a ring by logical position: options.window,
+/// positions and sinks come from kv (kv_start, scale, softcap from options).
+KVCACHE_API at::Tensor attend(const at::Tensor& q, const RingKV& kv,
+                              const AttendOptions& options = {});
+
+/// Drops the last n tokens of each row (cache.length -= n, in place).
+/// Throws c10::ValueError if n > max_step (exactness bound) or n < 0.
+KVCACHE_API void rollback_ring_layer_cache(const RingLayerCache& cache,
+                                           int64_t n);
 
 /// Creates one empty KVLayerCache per layer (distinct buffers).
 KVCACHE_API std::vector<KVLayerCache> init_decoder_kv_caches(

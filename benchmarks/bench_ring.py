@@ -1,0 +1,145 @@
+"""Ring caches: a decode step (write + attend) at window 4096 against transformers'
+StaticSlidingWindowLayer.update + SDPA, and the ring's decode step from context 1k to 32k.
+
+``python benchmarks/bench_ring.py [--threads 1 0] [--quick] [--json F]``
+
+Shapes: batch 1, 8 query heads / 2 KV heads, head_dim 128, float32, window 4096, one query per
+step (decode), the ring full (wrapped).
+
+* step: ``kvcache.write_ring_layer_cache`` + ``kvcache.attend`` (two ops; O(capacity) = O(window +
+  63)) against ``StaticSlidingWindowLayer.update`` (full: a ``roll`` of the whole window, keys and
+  values, then a copy back) + ``F.scaled_dot_product_attention(enable_gqa=True)`` over the
+  returned window (one query: no mask). Both caches hold the last 4096 tokens.
+* flat: the ring's step at logical context lengths 1k .. 32k (a prompt of that length written
+  through the long-chunk path first): the cost must not grow with the context.
+
+Every case is timed interleaved over rounds (median, min-max spread of round medians; see
+common.py), at each ``--threads`` setting. The CPU model and the attend kernel's ISA are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import kvcache  # noqa: E402
+from common import (  # noqa: E402
+    add_common_args,
+    environment,
+    measure_many,
+    num_threads,
+    print_table,
+    spread,
+    thread_settings,
+    write_json,
+)
+
+HEADS, KV_HEADS, D, WINDOW = 8, 2, 128, 4096
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
+
+
+def attend_isa() -> str:
+    """The ISA the CPU attend kernel picks (csrc/cpu/attend.cpp: AVX2+FMA+F16C when present)."""
+    if os.environ.get("KVCACHE_ATTEND_ISA") == "generic":
+        return "generic (forced)"
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        flags = []
+    return "avx2+fma+f16c" if {"avx2", "fma", "f16c"} <= set(flags) else "generic"
+
+
+def full_ring(context: int, g: torch.Generator):
+    ring = kvcache.init_ring_layer_cache(1, KV_HEADS, D, WINDOW, torch.float32)
+    k = torch.randn(1, KV_HEADS, context, D, generator=g)
+    kvcache.write_ring_layer_cache(ring, k, k * 0.5)
+    return ring
+
+
+def hf_layer(g: torch.Generator):
+    from transformers.cache_utils import StaticSlidingWindowLayer
+
+    layer = StaticSlidingWindowLayer(max_cache_len=32768, sliding_window=WINDOW)
+    k = torch.randn(1, KV_HEADS, WINDOW, D, generator=g)
+    layer.update(k, k * 0.5)  # full: the next updates take the roll path
+    return layer
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_common_args(p)
+    args = p.parse_args()
+    env = environment(torch.device("cpu"))
+    env.update(cpu_model=cpu_model(), attend_isa=attend_isa())
+    print(f"CPU: {env['cpu_model']}; attend kernel ISA: {env['attend_isa']}; torch {torch.__version__}")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, HEADS, 1, D, generator=g)
+    kn = torch.randn(1, KV_HEADS, 1, D, generator=g)
+    vn = torch.randn(1, KV_HEADS, 1, D, generator=g)
+    rows = []
+    contexts = [1024, 4096, 8192, 16384, 32768] if not args.quick else [1024, 4096, 32768]
+    for threads in thread_settings(args.threads):
+        with num_threads(threads) as n:
+            ring = full_ring(WINDOW + 1000, g)
+            layer = hf_layer(g)
+
+            def ring_step(ring=ring):
+                # At a fixed start (a device tensor): every call rewrites the same
+                # position of a full ring, the cost of a decode step.
+                kv = kvcache.write_ring_layer_cache(ring, kn, vn, ring.length)
+                return kvcache.attend(q, kv)
+
+            def hf_step():
+                k, v = layer.update(kn, vn)
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+            # The two agree (same window content up to the order of the slots).
+            m = measure_many({"ring": ring_step, "hf": hf_step}, torch.device("cpu"), args.min_time)
+            rows.append(dict(case="step, window 4096", threads=n, method="kvcache ring write + attend",
+                             us=spread(m["ring"]), median_us=m["ring"]["median_us"]))
+            rows.append(dict(case="step, window 4096", threads=n,
+                             method="StaticSlidingWindowLayer.update + SDPA", us=spread(m["hf"]),
+                             median_us=m["hf"]["median_us"],
+                             speedup=f"{m['hf']['median_us'] / m['ring']['median_us']:.1f}x"))
+            fns = {}
+            for ctx in contexts:
+                r = full_ring(ctx, g)
+
+                def step(r=r):
+                    kv = kvcache.write_ring_layer_cache(r, kn, vn, r.length)
+                    return kvcache.attend(q, kv)
+
+                fns[ctx] = step
+            m = measure_many(fns, torch.device("cpu"), args.min_time)
+            # Flat from a full window on (at 1k the window is not full yet).
+            base = m[4096]["median_us"]
+            for ctx in contexts:
+                rows.append(dict(case=f"ring decode at context {ctx}", threads=n, method="write + attend",
+                                 us=spread(m[ctx]), median_us=m[ctx]["median_us"],
+                                 speedup=f"{m[ctx]['median_us'] / base:.2f}x of 4k"))
+    print_table("Ring decode step (us: median (min-max of round medians))", rows,
+                ["case", "threads", "method", "us", "speedup"])
+    write_json(args.json, env, args, rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+// CUDA work of ring_update_ (see csrc/ops/ring.h).
+//
+// Two launches, as update_.Tensor: a one-block validation pass reads every
+// row's start; if any is negative or start + chunk would pass int32, it
+// writes -1 into every entry of the returned lengths, else start + chunk.
+// Then one kernel writes keys, values and positions: block x = one
+// (buffer, batch row, head) slab, blocks y tile the chunk's tokens; a token
+// the ring does not keep (ring_keeps) is skipped, so each slot is written
+// by one thread group only. The blocks of buffer 0, head 0 also write the
+// positions of their tokens. A row whose returned length is out of range
+// (-1) writes nothing: one bad row stops every write, with no host sync
+// (CUDA-graph safe).
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+
+#include "../core/visibility.h"
+#include "../ops/ring.h"
+#include "launch.cuh"
+
+namespace kvcache {
+namespace {
+
+using detail::IntRows;
+using detail::RingUpdateParams;
+
+constexpr int kTokensPerBlock = 8;
+constexpr int kLanes = 32;  // threads along a token's head_dim
+
+__global__ void ring_validate_kernel(const IntRows starts,
+                                     const IntRows lengths_out, int64_t n,
+                                     int64_t chunk) {
+  const int64_t last_start = INT32_MAX - chunk;
+  int bad = 0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const int64_t s = detail::read_row(starts, i);
+    bad |= (s < 0) | (s > last_start);
+  }
+  bad = __syncthreads_or(bad);
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    detail::write_row(lengths_out, i,
+                      bad ? detail::kPoisonLength
+                          : detail::read_row(starts, i) + chunk);
+  }
+}
+
+struct RingArgs {
+  detail::DstRows dst[2];
+  detail::SrcRows src[2];
+  int32_t* positions;
+  int64_t pos_stride[2];
+  unsigned slabs;  // batch * heads
+  unsigned heads;
+  int64_t chunk, head_dim, capacity, sinks, elem;
+  IntRows lengths_out;
+};
+
+template <typename E>
+__device__ __forceinline__ void copy_token(char* dst, int64_t dst_elem,
+                                           const char* src, int64_t src_elem,
+                                           int64_t n) {
+  for (int64_t d = threadIdx.x; d < n; d += kLanes) {
+    *reinterpret_cast<E*>(dst + d * dst_elem) =
+        *reinterpret_cast<const E*>(src + d * src_elem);
+  }
+}
+
+__global__ void ring_copy_kernel(const RingArgs a) {
+  const unsigned slab = blockIdx.x;
+  const unsigned which = slab >= a.slabs ? 1u : 0u;
+  const unsigned bh = slab - which * a.slabs;
+  const unsigned b = bh / a.heads;
+  const unsigned h = bh - b * a.heads;
+  const int64_t end = detail::read_row(a.lengths_out, b);
+  if (end < a.chunk || end > INT32_MAX) return;  // -1: a bad start somewhere
+  const int64_t start = end - a.chunk;
+  const int64_t t = static_cast<int64_t>(blockIdx.y) * kTokensPerBlock + threadIdx.y;
+  if (t >= a.chunk) return;
+  const int64_t p = start + t;
+  if (!detail::ring_keeps(p, end, a.sinks, a.capacity)) return;
+  const int64_t slot = detail::ring_slot(p, a.sinks, a.capacity);
+  const detail::DstRows d = which ? a.dst[1] : a.dst[0];
+  const detail::SrcRows s = which ? a.src[1] : a.src[0];
+  char* dp = d.data + b * d.stride[0] + h * d.stride[1] + slot * d.stride[2];
+  const char* sp = s.data + b * s.stride[0] + h * s.stride[1] + t * s.stride[2];
+  switch (a.elem) {
+    case 1: copy_token<uint8_t>(dp, d.stride[3], sp, s.stride[3], a.head_dim); break;
+    case 2: copy_token<uint16_t>(dp, d.stride[3], sp, s.stride[3], a.head_dim); break;
+    case 4: copy_token<uint32_t>(dp, d.stride[3], sp, s.stride[3], a.head_dim); break;
+    case 8: copy_token<uint64_t>(dp, d.stride[3], sp, s.stride[3], a.head_dim); break;
+    default:  // other sizes (complex128): byte by byte
+      for (int64_t x = threadIdx.x; x < a.head_dim * a.elem; x += kLanes) {
+        const int64_t e = x / a.elem, byte = x - e * a.elem;
+        dp[e * d.stride[3] + byte] = sp[e * s.stride[3] + byte];
+      }
+  }
+  if (which == 0 && h == 0 && threadIdx.x == 0) {
+    a.positions[b * a.pos_stride[0] + slot * a.pos_stride[1]] = static_cast<int32_t>(p);
+  }
+}
+
+void ring_update_cuda(const RingUpdateParams& p) {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(p.device_index));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t n = p.lengths_out.numel;
+  const int64_t slabs = p.batch * p.heads;
+  cuda::check_copy_slabs(slabs);  // before any launch: nothing written
+  const int64_t tiles = (p.chunk + kTokensPerBlock - 1) / kTokensPerBlock;
+  TORCH_CHECK_VALUE(tiles <= 65535, "kvcache::ring_update_ on CUDA: chunk=",
+                    p.chunk, " is too long for one launch (at most ",
+                    65535 * kTokensPerBlock, " tokens)");
+  if (n > 0) {
+    ring_validate_kernel<<<1, cuda::check_threads(n), 0, stream>>>(
+        p.starts, p.lengths_out, n, p.chunk);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  // heads == 0 still writes positions? No slab, no token: nothing to write
+  // but the lengths (a cache without heads holds nothing).
+  if (slabs == 0 || p.chunk == 0) return;
+  RingArgs a;
+  for (int w = 0; w < 2; ++w) {
+    a.dst[w] = p.dst[w];
+    a.src[w] = p.src[w];
+  }
+  a.positions = p.positions;
+  a.pos_stride[0] = p.pos_stride[0];
+  a.pos_stride[1] = p.pos_stride[1];
+  a.slabs = static_cast<unsigned>(slabs);
+  a.heads = static_cast<unsigned>(p.heads);
+  a.chunk = p.chunk;
+  a.head_dim = p.head_dim;
+  a.capacity = p.capacity;
+  a.sinks = p.sinks;
+  a.elem = p.elem;
+  a.lengths_out = p.lengths_out;
+  ring_copy_kernel<<<dim3(static_cast<unsigned>(2 * slabs), static_cast<unsigned>(tiles)),
+                     dim3(kLanes, kTokensPerBlock), 0, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+}  // namespace kvcache
+
+KVCACHE_REGISTER_KERNEL(ring_update_stub, cuda, &kvcache::ring_update_cuda);

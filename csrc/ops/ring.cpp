@@ -1,0 +1,119 @@
+#include "ring.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <string>
+
+#include "../core/checks.h"
+#include "../core/overlap.h"
+#include "../core/tensor_params.h"
+#include "update.h"
+
+namespace kvcache {
+namespace detail {
+
+DeviceStub<RingUpdateFn> ring_update_stub;
+
+void check_positions(const at::Tensor& positions, const c10::SymInt& batch,
+                     const c10::SymInt& capacity, const at::Device& device) {
+  check_dense(positions, "positions");
+  TORCH_CHECK_TYPE(positions.scalar_type() == at::kInt,
+                   "positions must be an int32 tensor, got dtype ",
+                   py_dtype(positions.scalar_type()));
+  TORCH_CHECK_VALUE(positions.dim() == 2 &&
+                        holds(positions.sym_size(0).sym_eq(batch)) &&
+                        holds(positions.sym_size(1).sym_eq(capacity)),
+                    "positions must have shape (batch=", shown(batch),
+                    ", capacity=", shown(capacity),
+                    ") to match the cache, got ", shape_str(positions));
+  check_device(positions, device, "positions", "the cache's device");
+}
+
+std::vector<int64_t> check_ring_update(const at::Tensor& keys,
+                                       const at::Tensor& values,
+                                       const at::Tensor& positions,
+                                       const at::Tensor& keys_new,
+                                       const at::Tensor& values_new,
+                                       const at::Tensor& start, int64_t sinks,
+                                       bool values_known) {
+  // Shapes, dtypes, devices, the start's metadata and the aliasing rules of
+  // update_.Tensor (new data may not view the cache at all); not its values,
+  // whose bound differs (a ring has no end).
+  check_update_tensor(keys, values, keys_new, values_new, start, false);
+  const c10::SymInt capacity = keys.sym_size(2);
+  check_positions(positions, keys.sym_size(0), capacity, keys.device());
+  check_writable(positions, "positions");
+  TORCH_CHECK_VALUE(!self_overlaps(positions),
+                    "positions must not have internally overlapping memory "
+                    "(it is written, one entry per slot)");
+  const Box pb = box_of(positions);
+  for (const auto& [t, name] :
+       {std::pair<const at::Tensor&, const char*>{keys, "keys"},
+        {values, "values"},
+        {keys_new, "keys_new"},
+        {values_new, "values_new"},
+        {start, "start"}}) {
+    TORCH_CHECK_VALUE(!overlaps(pb, box_of(t)),
+                      "positions must not share memory with ", name);
+  }
+  TORCH_CHECK_VALUE(sinks >= 0, "sinks must be >= 0, got ", sinks);
+  TORCH_CHECK_VALUE(holds(capacity.sym_gt(sinks)),
+                    "a ring needs more slots than sinks: capacity=",
+                    shown(capacity), ", sinks=", sinks);
+
+  std::vector<int64_t> starts;
+  if (!values_known || !start.device().is_cpu()) return starts;
+  const int64_t chunk = keys_new.size(2);
+  const bool shared = start.dim() == 0;
+  starts.resize(static_cast<size_t>(start.numel()));
+  for (int64_t b = 0; b < start.numel(); ++b) {
+    const int64_t s = row_value(start, b);
+    const std::string at = shared ? "" : " at index " + std::to_string(b);
+    TORCH_CHECK_VALUE(s >= 0, "start must be >= 0, got ", s, at);
+    // Never s + chunk > kMaxLen: the sum can overflow for s near 2^63.
+    TORCH_CHECK_VALUE(s <= kMaxLen - chunk,
+                      "ring overflow: start + chunk must be <= ", kMaxLen,
+                      " (positions and lengths are int32), got start=", s,
+                      ", chunk=", chunk, at);
+    starts[b] = s;
+  }
+  return starts;
+}
+
+}  // namespace detail
+
+namespace ops {
+
+at::Tensor ring_update_(at::Tensor& keys, at::Tensor& values,
+                        at::Tensor& positions, const at::Tensor& keys_new,
+                        const at::Tensor& values_new, const at::Tensor& start,
+                        int64_t sinks) {
+  const auto starts = detail::check_ring_update(
+      keys, values, positions, keys_new, values_new, start, sinks, true);
+  at::Tensor length = at::empty(start.sizes(), keys.options().dtype(at::kInt));
+  detail::RingUpdateParams p;
+  p.dst[0] = detail::dst_rows(keys);
+  p.dst[1] = detail::dst_rows(values);
+  p.src[0] = detail::src_rows(keys_new);
+  p.src[1] = detail::src_rows(values_new);
+  p.positions = positions.mutable_data_ptr<int32_t>();
+  p.pos_stride[0] = positions.stride(0);
+  p.pos_stride[1] = positions.stride(1);
+  p.batch = keys.size(0);
+  p.heads = keys.size(1);
+  p.capacity = keys.size(2);
+  p.head_dim = keys.size(3);
+  p.chunk = keys_new.size(2);
+  p.sinks = sinks;
+  p.elem = static_cast<int64_t>(keys.element_size());
+  p.starts = detail::int_rows(start);
+  p.host_starts = starts.empty() ? nullptr : starts.data();
+  p.lengths_out = detail::int_rows(length);
+  p.device_index = keys.device().index();
+  detail::ring_update_stub.get(keys.device().type(), "ring_update_")(p);
+  return length;
+}
+
+}  // namespace ops
+}  // namespace kvcache

@@ -1,0 +1,176 @@
+"""The ``"kvcache"`` attention and mask functions transformers calls (registered on import of
+:mod:`kvcache.hf`).
+
+The mask function builds no O(capacity) mask: a ``(batch, 1, 1, 2)`` int32 tensor of per-row
+``kv_start`` and tokens seen. The attention reads a :class:`KVCacheLayer`'s own lengths (found
+through its buffers, ``_registry``) or, for any other transformers layer, derives them from that
+tensor; it is one ``torch.ops.kvcache.attend`` call either way (docs/hf.md).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from ..cache import _attend_op
+from . import _registry
+from ._compat import masking_utils
+from .layer import _compiling
+
+
+def _check_mask_kind(mask_function, local_size, use_vmap, config) -> None:
+    if config is not None and not getattr(config, "is_causal", True):
+        raise NotImplementedError("attn_implementation='kvcache' supports causal attention only (config.is_causal=False)")
+    if config is not None and getattr(config, "attention_chunk_size", None) is not None:
+        raise NotImplementedError("attn_implementation='kvcache' does not support chunked attention (attention_chunk_size)")
+    if use_vmap:
+        raise NotImplementedError(
+            "attn_implementation='kvcache' supports causal and sliding-window masks over left-padded rows; this model "
+            "asked for a custom mask (or_mask_function/and_mask_function overlay)")
+    if mask_function is not masking_utils.causal_mask_function and local_size is None:
+        raise NotImplementedError(
+            f"attn_implementation='kvcache' supports causal and sliding-window masks only, got {mask_function!r} "
+            "(bidirectional, chunked or packed-sequence masks are not supported)")
+
+
+def kvcache_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset=0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: Optional[torch.Tensor] = None,
+    local_size: Optional[int] = None,
+    use_vmap: bool = False,
+    config=None,
+    device: Union[str, torch.device] = "cpu",
+    **kwargs,
+) -> torch.Tensor:
+    """The ``AttentionMaskInterface`` entry for ``"kvcache"``: per-row offsets, no O(capacity) mask.
+
+    Args:
+        batch_size, q_length: The forward's batch and query length.
+        kv_length, kv_offset: Unused (the attention reads lengths from the cache).
+        q_offset: Tokens already in the cache (int or 0-D tensor).
+        mask_function, local_size, use_vmap, config: What transformers asks
+            for; only causal and sliding-window masks are accepted.
+        attention_mask: ``(batch, tokens so far)`` 2-D mask (1: token, 0:
+            left padding), or ``None`` (no padding).
+        device: Where to build the result.
+
+    Returns:
+        ``(batch, 1, 1, 2)`` int32 tensor: ``[..., 0]`` the first
+        non-padding slot of each row (``kv_start``), ``[..., 1]`` the tokens
+        seen including this step (``q_offset + q_length``).
+
+    Raises:
+        ValueError: On prefill (``q_length > 1``, outside tracing), a row
+            whose mask has a 0 after a 1 (only left padding is supported).
+        NotImplementedError: A bidirectional, chunked or custom mask.
+    """
+    _check_mask_kind(mask_function, local_size, use_vmap, config)
+    dev = torch.device(device)
+    total = q_offset + q_length
+    if isinstance(total, torch.Tensor):
+        total_t = total.to(device=dev, dtype=torch.int32).reshape(()).expand(batch_size)
+    else:
+        total_t = torch.full((batch_size,), int(total), dtype=torch.int32, device=dev)
+    if attention_mask is None:
+        kv_start = torch.zeros(batch_size, dtype=torch.int32, device=dev)
+    else:
+        if attention_mask.dim() != 2:
+            raise ValueError(f"expected a 2-D attention mask (batch, tokens), got shape {tuple(attention_mask.shape)}")
+        m = attention_mask.to(device=dev, dtype=torch.bool)
+        has = m.any(-1)
+        first = m.to(torch.int32).argmax(-1).to(torch.int32)  # first 1 of each row
+        if q_length > 1 and not _compiling():
+            ones = m.sum(-1, dtype=torch.int32)
+            if bool(((ones != m.shape[-1] - first) & has).any()):
+                raise ValueError(
+                    "attn_implementation='kvcache' supports left padding only: the attention mask has a 0 after a 1 "
+                    "in some row (pad on the left: tokenizer.padding_side = 'left')")
+        kv_start = torch.where(has, first, total_t)
+    return torch.stack((kv_start, total_t), dim=-1).view(batch_size, 1, 1, 2)
+
+
+def _check_mask(attention_mask) -> None:
+    if (
+        not isinstance(attention_mask, torch.Tensor)
+        or attention_mask.dtype != torch.int32
+        or attention_mask.dim() != 4
+        or tuple(attention_mask.shape[1:]) != (1, 1, 2)
+    ):
+        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
+        raise ValueError(
+            "attn_implementation='kvcache' takes the (batch, 1, 1, 2) int32 masks kvcache.hf builds from a 2-D "
+            f"attention mask; got {shape} (pass a 2-D attention_mask, not a prepared 4-D one)")
+
+
+def kvcache_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    **kwargs,
+):
+    """The ``AttentionInterface`` entry for ``"kvcache"``: ``torch.ops.kvcache.attend`` over the filled slots.
+
+    Args:
+        module: The attention module (``module.layer_idx``, ``module.training``).
+        query: ``(batch, num_heads, seq, head_dim)``.
+        key, value: What ``Cache.update`` returned: a :class:`KVCache`
+            layer's buffers (read up to that layer's per-row lengths), or
+            any transformers layer's keys/values that end at the query.
+        attention_mask: The tensor :func:`kvcache_mask` built, or ``None``.
+        dropout: Must be 0 (inference).
+        scaling: Score scale (default ``head_dim ** -0.5``).
+        sliding_window: Window for keys that are not kvcache buffers (a
+            kvcache layer uses its own).
+        softcap: Logit soft-capping (Gemma 2), or ``None``.
+
+    Returns:
+        ``(output (batch, seq, num_heads, head_dim), None)``.
+
+    Raises:
+        NotImplementedError: Dropout in training, non-causal attention,
+            attention sinks or position biases.
+        ValueError: A mask not built by :func:`kvcache_mask`; lengths out of
+            range (``attend``'s checks).
+    """
+    if dropout and getattr(module, "training", False):
+        raise NotImplementedError("attn_implementation='kvcache' is for inference: attention dropout is not supported")
+    if is_causal is False or not getattr(module, "is_causal", True):
+        raise NotImplementedError("attn_implementation='kvcache' supports causal self-attention only")
+    for name in ("s_aux", "sinks", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"attn_implementation='kvcache' does not support {name}")
+    if attention_mask is not None:
+        _check_mask(attention_mask)
+    layer = _registry.layer_of(key, value)
+    k_scale = v_scale = None
+    if layer is not None:
+        lengths, window = layer.lengths, layer.window
+        k_scale, v_scale = layer.k_scale, layer.v_scale  # a quantized layer's (None otherwise)
+        kv_start = None if attention_mask is None else attention_mask.view(-1, 2).select(1, 0)
+    else:
+        # Keys that hold a contiguous run of tokens ending at the last query.
+        key_len = key.shape[-2]
+        window = int(sliding_window or 0)
+        if attention_mask is None:
+            kv_start = None
+            lengths = torch.full((), key_len, dtype=torch.int32, device=key.device)
+        else:
+            kv_start, total = attention_mask.view(-1, 2).unbind(1)
+            lengths = total.clamp(max=key_len)
+            kv_start = (kv_start - (total - lengths)).clamp(min=0)
+    out = _attend_op(query, key, value, lengths, kv_start=kv_start, scale=scaling, window=window,
+                     softcap=float(softcap or 0.0), k_scale=k_scale, v_scale=v_scale)
+    return out.transpose(1, 2), None

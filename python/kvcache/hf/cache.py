@@ -1,0 +1,249 @@
+"""``KVCache``: a ``transformers.Cache`` whose attention layers are :class:`KVCacheLayer` s, built
+from a model config (layer types, sliding windows, head shapes, tensor parallelism)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional, Union
+
+import torch
+
+from .. import cache as _api
+from ._compat import (
+    Cache,
+    LinearAttentionAndStaticFullAttentionLayer,
+    LinearAttentionAndStaticSlidingWindowAttentionLayer,
+    LinearAttentionLayer,
+    NoKVLayer,
+    StaticSlidingWindowLayer,
+    head_shapes,
+    tp_size,
+)
+from .layer import KVCacheLayer, _compiling
+
+ATTN_IMPLEMENTATION = "kvcache"
+"""The name registered with ``AttentionInterface`` and ``AttentionMaskInterface``."""
+
+
+_SUPPORTED = ("full_attention", "sliding_attention", "linear_attention", "conv", "hybrid", "hybrid_sliding",
+              "dummy", "moe", "mlp")
+
+
+def _layer_types(config) -> "tuple[list[str], list[Optional[int]]]":
+    """Layer types and sliding windows, one per layer, from a (text) config."""
+    n = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    per_layer = getattr(config, "per_layer_config", None)
+    if types is None:
+        types = []
+        for i in range(n):
+            c = per_layer[i] if per_layer is not None else config
+            if getattr(c, "sliding_window", None) is not None:
+                types.append("sliding_attention")
+            elif getattr(c, "attention_chunk_size", None) is not None:
+                types.append("chunked_attention")
+            else:
+                types.append("full_attention")
+    types = list(types)[:n]
+    windows = []
+    for i, t in enumerate(types):
+        c = per_layer[i] if per_layer is not None else config
+        windows.append(getattr(c, "sliding_window", None) if t in ("sliding_attention", "hybrid_sliding") else None)
+    return types, windows
+
+
+def _local_heads(heads: int, tp: int) -> int:
+    if heads % tp:
+        raise ValueError(
+            f"num_key_value_heads={heads} does not split across tp_size={tp} tensor-parallel ranks; "
+            "build the KVCache without batch_size/dtype/device so it sizes from the model's key states")
+    return heads // tp
+
+
+class KVCache(Cache):
+    """A ``transformers.Cache`` on kvcache buffers: per-row device lengths, one ``append_`` per layer per step.
+
+    Pass it to ``generate`` (``past_key_values=`` / ``cache=``, see
+    :data:`CACHE_ARG`) or to the model's forward; with
+    ``attn_implementation="kvcache"`` decode reads only the filled slots.
+
+    Args:
+        config: The model's config (``model.config``; composite configs use
+            their decoder text config).
+        max_cache_len: Slots per row: prompt plus generated tokens (left
+            padding included) must fit.
+        batch_size, dtype, device: When all three are given, every layer is
+            allocated now (what ``torch.export`` and compiled prefill need);
+            otherwise on the first update, from the keys/values, checked
+            against whichever of them were given. Under transformers' tensor
+            parallelism (``config.distributed_config.tp_size > 1``, set by
+            ``from_pretrained(..., tp_plan="auto")``), each rank allocates its
+            local ``num_key_value_heads // tp_size`` heads.
+        sliding_layers: ``"kvcache"`` (default): sliding-window layers are
+            linear kvcache buffers read through ``attend``'s window;
+            ``"hf"``: transformers' ``StaticSlidingWindowLayer`` (holds only
+            ``min(window, max_cache_len)`` slots).
+        kv_dtype: ``None`` (keys/values in the model's dtype), ``"int8"``
+            or ``"fp8"`` (also ``torch.int8`` / ``torch.float8_e4m3fn``): a
+            quantized cache, about a quarter of fp32's bytes (README
+            "Quantized caches"); needs ``attn_implementation="kvcache"``,
+            which dequantizes in registers (any other is refused at the first
+            update, before anything is written).
+
+    Raises:
+        TypeError: ``max_cache_len`` or ``batch_size`` not an int, ``dtype``
+            not a ``torch.dtype``, ``kv_dtype`` not one of its spellings.
+        ValueError: ``max_cache_len`` not in ``[1, 2**31)``, ``batch_size``
+            < 1, an unknown ``sliding_layers``, KV heads that do not split
+            across the tensor-parallel ranks (allocated up front only).
+        NotImplementedError: The config has a layer type kvcache cannot
+            serve (chunked or indexed attention, KV sharing between layers,
+            keys/values of different head sizes); the message names it.
+    """
+
+    def __init__(
+        self,
+        config,
+        max_cache_len: int,
+        *,
+        batch_size: Optional[int] = None,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[Union[str, torch.device]] = None,
+        sliding_layers: str = "kvcache",
+        kv_dtype=None,
+    ):
+        max_cache_len = _api._as_int("max_cache_len", max_cache_len)
+        if not 1 <= max_cache_len < 2**31:
+            raise ValueError(f"max_cache_len must be in [1, 2**31) (lengths are int32), got {max_cache_len}")
+        if batch_size is not None:
+            batch_size = _api._as_int("batch_size", batch_size)
+            if batch_size < 1:
+                raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+        if sliding_layers not in ("kvcache", "hf"):
+            raise ValueError(f"sliding_layers must be 'kvcache' or 'hf', got {sliding_layers!r}")
+        dev = torch.device(device) if device is not None else None
+        self.kv_dtype = _api._kv_dtype(kv_dtype)
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        self.config = text
+        self._max_cache_len = max_cache_len
+
+        for attr in ("num_kv_shared_layers", "kv_sharing_modes"):
+            v = getattr(text, attr, None)
+            if v and (not isinstance(v, (list, tuple)) or any(m == "reuse" for m in v)):
+                raise NotImplementedError(
+                    f"{type(text).__name__} shares keys/values between layers ({attr}={v}); kvcache.hf.KVCache "
+                    "does not support KV sharing yet: use transformers' StaticCache/DynamicCache")
+        if getattr(text, "qk_head_dim", None) is not None or getattr(text, "v_head_dim", None) is not None:
+            qk = getattr(text, "qk_head_dim", None)
+            vd = getattr(text, "v_head_dim", None)
+            if qk != vd:
+                raise NotImplementedError(
+                    f"{type(text).__name__} has keys and values of different head sizes (qk_head_dim={qk}, "
+                    f"v_head_dim={vd}: MLA-style attention); kvcache.hf.KVCache stores keys and values of one shape")
+
+        types, windows = _layer_types(text)
+        layers = []
+        for i, (t, w) in enumerate(zip(types, windows)):
+            if t == "full_attention":
+                layers.append(KVCacheLayer(max_cache_len, 0, i, kv_dtype=self.kv_dtype))
+            elif t == "sliding_attention":
+                if w is None or w < 1:
+                    raise ValueError(f"layer {i} is a sliding_attention layer without a sliding_window in the config")
+                if sliding_layers == "kvcache":
+                    layers.append(KVCacheLayer(max_cache_len, int(w), i, kv_dtype=self.kv_dtype))
+                else:
+                    layers.append(StaticSlidingWindowLayer(max_cache_len=max_cache_len, sliding_window=int(w)))
+            elif t in ("linear_attention", "conv"):
+                layers.append(LinearAttentionLayer(number_of_states=getattr(text, "number_of_conv_states", 1)))
+            elif t == "hybrid":
+                layers.append(LinearAttentionAndStaticFullAttentionLayer(
+                    max_cache_len=max_cache_len, number_of_states=getattr(text, "number_of_conv_states", 1)))
+            elif t == "hybrid_sliding":
+                layers.append(LinearAttentionAndStaticSlidingWindowAttentionLayer(
+                    max_cache_len=max_cache_len, sliding_window=int(w),
+                    number_of_states=getattr(text, "number_of_conv_states", 1)))
+            elif t in ("dummy", "moe", "mlp"):
+                layers.append(NoKVLayer())
+            else:
+                raise NotImplementedError(
+                    f"layer {i} of {type(text).__name__} is a {t!r} layer, which kvcache.hf.KVCache does not serve "
+                    f"(it serves {', '.join(_SUPPORTED)}); use transformers' StaticCache/DynamicCache for this model")
+        super().__init__(layers=layers)
+
+        ours = [(i, l) for i, l in enumerate(self.layers) if isinstance(l, KVCacheLayer)]
+        for _, layer in ours:
+            layer.expected_dtype, layer.expected_batch, layer.expected_device = dtype, batch_size, dev
+        if batch_size is not None and dtype is not None and dev is not None:
+            heads, dims = head_shapes(text, len(self.layers))
+            tp = tp_size(config, text)
+            for i, layer in ours:
+                layer.allocate(batch_size, _local_heads(heads[i], tp), dims[i], dtype, dev)
+        self._attn_checked = False
+
+    def __repr__(self) -> str:
+        return f"KVCache(max_cache_len={self.max_cache_len}, layers={self.layers})"
+
+    @property
+    def max_cache_len(self) -> int:
+        """Slots per row (transformers 5.18's base class has a deprecated property of this name)."""
+        return self._max_cache_len
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Writes this step's keys/values for ``layer_idx`` and returns what its attention reads.
+
+        Raises:
+            ValueError: ``"KV cache overflow: ..."``, or a batch/shape that
+                does not match the buffers. Nothing is written.
+            TypeError: keys/values of another dtype than the cache's.
+        """
+        if not self._attn_checked and not _compiling():
+            self._attn_checked = True
+            impl = getattr(self.config, "_attn_implementation", None)
+            if impl != ATTN_IMPLEMENTATION and self.kv_dtype is not None:
+                self._attn_checked = False
+                raise ValueError(
+                    f"a quantized kvcache.hf.KVCache (kv_dtype={self.kv_dtype}) is read by "
+                    f"attn_implementation='{ATTN_IMPLEMENTATION}' only (it dequantizes in registers), got {impl!r}: "
+                    f"load the model with attn_implementation='{ATTN_IMPLEMENTATION}' (nothing was written)")
+            if impl != ATTN_IMPLEMENTATION and any(isinstance(l, KVCacheLayer) for l in self.layers):
+                warnings.warn(
+                    f"kvcache.hf.KVCache is used with attn_implementation={impl!r}: attention reads the whole "
+                    f"max_cache_len={self.max_cache_len} buffer through a mask (correct, but O(capacity) per step). "
+                    f"Load the model with attn_implementation='{ATTN_IMPLEMENTATION}' (or call "
+                    f"model.set_attn_implementation('{ATTN_IMPLEMENTATION}')) to read only the filled slots.",
+                    stacklevel=3)
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
+    def rollback(self, n) -> None:
+        """Drops the last ``n[b]`` tokens of each row (int, 0-D or ``(batch,)`` device tensor), every kvcache layer.
+
+        Per-row amounts are what batched speculative decoding needs (each row
+        accepts its own number of draft tokens); transformers' ``crop`` takes
+        one amount for every row.
+        """
+        for layer in self.layers:
+            if isinstance(layer, KVCacheLayer):
+                layer.rollback(n)
+
+    def reset_rows(self, rows: torch.Tensor) -> None:
+        """Empties the given rows of every kvcache layer in O(1) (continuous batching).
+
+        Raises:
+            ValueError, TypeError: As :func:`kvcache.reset_rows_kv_layer_cache`; ``rows`` is
+                checked against every layer before any layer changes, so a bad ``rows`` leaves
+                every layer as it was.
+        """
+        layers = [la for la in self.layers if isinstance(la, KVCacheLayer) and la.is_initialized]
+        # Every layer's new lengths first (the API's checks, on copies), then the writes.
+        for layer in layers:
+            _api._check_length_writable(layer.lengths)
+        new = [_api.reset_rows_kv_layer_cache(_api.KVLayerCache(la.keys, la.values, la.lengths.clone()), rows).length
+               for la in layers]
+        for layer, lengths in zip(layers, new):
+            layer.lengths.copy_(lengths)
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        """Slots per row of ``layer_idx`` (the name transformers used before 5.16 for :meth:`get_max_length`)."""
+        return self.layers[layer_idx].get_max_length()

@@ -1,0 +1,478 @@
+"""Sliding-window ring caches with attention sinks.
+
+A :class:`RingLayerCache` holds one attention layer's keys and values for a
+sliding-window layer in ``sinks + window + max_step - 1`` slots instead of
+``max_len``: position ``p`` lives at slot ``p`` if ``p < sinks``, else at
+``sinks + (p - sinks) % (capacity - sinks)``, and each slot records the
+logical position it holds (``positions``, ``-1``: empty), written by the same
+operator call as the keys and values (``torch.ops.kvcache.ring_update_``).
+``length`` is the logical length (the next position), so rollback stays
+length arithmetic, and the graph of a decode step is the same before and
+after the ring wraps.
+
+:func:`kvcache.attend` reads a ring by the recorded positions: a query at
+position ``p`` of a row with first valid position ``kv_start`` sees the slot
+holding position ``q`` iff ``kv_start <= q <= p`` and (``q < sinks`` or
+``p - q < window``); the window counts the query itself, as transformers'
+sliding layers do. Empty and stale slots are never read.
+
+Exactness: every query sees exactly the positions that rule asks for as long
+as (1) a write of more than ``max_step`` tokens is attended through
+:func:`write_ring_layer_cache` (which then attends over the ring's previous
+slots plus the chunk), and (2) a write never starts more than ``max_step``
+positions below the highest position written so far (rolling back at most
+``max_step`` tokens from the furthest point decoded). When a query finds
+fewer of its positions than the rule asks for (a deeper rollback), its
+output is NaN, never a silently different answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from .cache import _as_int, _check_length_writable
+
+_init_op = torch.ops.kvcache.init_layer_cache.default
+_ring_update_op = torch.ops.kvcache.ring_update_.default
+_attend_op = torch.ops.kvcache.attend.default
+_rollback_op = torch.ops.kvcache.rollback.default
+_select_rows_op = torch.ops.kvcache.select_rows_.default
+
+#: Default ``max_step`` (R): the most tokens one write may add and still be
+#: attended inside the ring, and the furthest rollback. 64 covers speculative
+#: decoding drafts and decode batches at 1.6% of a 4096 window's memory;
+#: longer prompts go through the exact long-chunk path of
+#: :func:`write_ring_layer_cache`.
+DEFAULT_MAX_STEP = 64
+
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class RingLayerCache:
+    """A sliding-window layer's KV cache as a ring of slots.
+
+    Args:
+        keys: ``(batch, num_kv_heads, capacity, head_dim)``, capacity =
+            ``sinks + window + max_step - 1``.
+        values: Same shape and dtype as ``keys`` (its own storage).
+        positions: ``(batch, capacity)`` int32: the logical position each
+            slot holds, ``-1`` for an empty slot.
+        length: int32 logical length (next position to write), 0-D or
+            ``(batch,)``.
+        window: The sliding window (a query sees itself and the
+            ``window - 1`` positions before it), >= 1.
+        sinks: The first ``sinks`` positions, always visible.
+        max_step: R: the most tokens a write may add and be attended in the
+            ring, and the deepest exact rollback.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    length: torch.Tensor
+    window: int
+    sinks: int = 0
+    max_step: int = DEFAULT_MAX_STEP
+
+    @property
+    def capacity(self) -> int:
+        """Slots per row: ``sinks + window + max_step - 1``."""
+        return int(self.keys.shape[2])
+
+
+@dataclass(frozen=True)
+class RingKV:
+    """What one step's queries attend over (see :func:`write_ring_layer_cache`).
+
+    The ring's own buffers after the write (a chunk of at most ``max_step``
+    tokens), or a temporary concatenation of the ring's slots from before
+    the write and the chunk (longer chunks). Pass it to :func:`kvcache.attend`.
+
+    Args:
+        keys: ``(batch, num_kv_heads, slots, head_dim)``.
+        values: Same shape as ``keys``.
+        positions: ``(batch, slots)`` int32 logical positions (-1: empty).
+        length: int32 logical length after the write, 0-D or ``(batch,)``.
+        window: The ring's window.
+        sinks: The ring's sinks.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    length: torch.Tensor
+    window: int
+    sinks: int = 0
+
+
+def init_ring_layer_cache(
+    batch_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    window: int,
+    dtype: torch.dtype,
+    device: Optional[Union[torch.device, str]] = None,
+    *,
+    sinks: int = 0,
+    max_step: int = DEFAULT_MAX_STEP,
+) -> RingLayerCache:
+    """Creates an empty :class:`RingLayerCache` (zero buffers, every slot empty).
+
+    Args:
+        batch_size: Batch dimension.
+        num_kv_heads: Number of KV heads.
+        head_dim: Per-head feature dimensionality.
+        window: Sliding window, >= 1 (transformers' ``sliding_window``).
+        dtype: Buffer dtype.
+        device: Buffer device; ``None`` means CPU.
+        sinks: Attention sinks: the first ``sinks`` positions stay visible
+            to every query (StreamingLLM). Default 0.
+        max_step: R, >= 1: the most tokens one write may add and be attended
+            inside the ring, and the deepest exact rollback (default
+            :data:`DEFAULT_MAX_STEP`).
+
+    Returns:
+        :class:`RingLayerCache` of ``sinks + window + max_step - 1`` slots per
+        row, ``positions`` all -1 and a 0-D ``length`` of 0.
+
+    Raises:
+        TypeError: If a size is not an int or ``dtype`` is not a torch.dtype.
+        ValueError: If ``window`` or ``max_step`` is < 1, ``sinks`` < 0, a
+            size is negative, or the capacity reaches 2**31.
+    """
+    window = _as_int("window", window)
+    sinks = _as_int("sinks", sinks)
+    max_step = _as_int("max_step", max_step)
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if sinks < 0:
+        raise ValueError(f"sinks must be >= 0, got {sinks}")
+    if max_step < 1:
+        raise ValueError(f"max_step must be >= 1, got {max_step}")
+    capacity = sinks + window + max_step - 1
+    if capacity > _INT32_MAX:
+        raise ValueError(
+            f"sinks + window + max_step - 1 = {capacity} slots: a ring holds at most {_INT32_MAX} (int32 positions)"
+        )
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+    dev = torch.device(device) if device is not None else None
+    keys, values, length = _init_op(
+        _as_int("batch_size", batch_size),
+        _as_int("num_kv_heads", num_kv_heads),
+        _as_int("head_dim", head_dim),
+        capacity,
+        dtype=dtype,
+        device=dev,
+    )
+    positions = torch.full((keys.shape[0], capacity), -1, dtype=torch.int32, device=keys.device)
+    return RingLayerCache(keys, values, positions, length, window, sinks, max_step)
+
+
+def _check_ring(cache) -> None:
+    if not isinstance(cache, RingLayerCache):
+        raise TypeError(f"cache must be a RingLayerCache, got {type(cache).__name__}")
+
+
+def _start_tensor(cache: RingLayerCache, start) -> torch.Tensor:
+    if isinstance(start, torch.Tensor):
+        return start
+    start = _as_int("start", start)
+    if not 0 <= start <= _INT32_MAX:
+        raise ValueError(f"start must be in [0, {_INT32_MAX}] (int32 positions), got {start}")
+    return torch.tensor(start, dtype=torch.int32, device=cache.keys.device)
+
+
+def update_ring_layer_cache(
+    cache: RingLayerCache,
+    keys_new: torch.Tensor,
+    values_new: torch.Tensor,
+    start: Union[int, torch.Tensor],
+) -> RingLayerCache:
+    """Writes new keys/values at the logical positions ``[start, start + chunk)``.
+
+    One operator call writes keys, values and the slots' positions in place;
+    a chunk longer than the ring writes only what the ring keeps (the sinks
+    and the last ``capacity - sinks`` positions). To attend over a chunk
+    longer than ``max_step``, use :func:`write_ring_layer_cache`.
+
+    Args:
+        cache: The ring.
+        keys_new: ``(batch, num_kv_heads, chunk, head_dim)``, the cache's
+            dtype and device, any strides.
+        values_new: Same shape as ``keys_new``.
+        start: First position: an int, or an int32/int64 tensor on the
+            cache's device, 0-D or ``(batch,)`` (ragged rows), read on the
+            device (no sync, no recompile).
+
+    Returns:
+        :class:`RingLayerCache` sharing the buffers, with ``length =
+        start + chunk`` (int32, the start's shape).
+
+    Raises:
+        ValueError: A negative start or ``start + chunk`` past int32 (CPU;
+            nothing is written; on CUDA nothing is written and every entry of
+            the returned length is -1), or shapes/devices that do not fit.
+        TypeError: Mismatched dtypes, or ``cache`` not a RingLayerCache.
+    """
+    _check_ring(cache)
+    start_t = _start_tensor(cache, start)
+    length = _ring_update_op(
+        cache.keys, cache.values, cache.positions, keys_new, values_new, start_t, sinks=cache.sinks
+    )
+    return RingLayerCache(
+        cache.keys, cache.values, cache.positions, length, cache.window, cache.sinks, cache.max_step
+    )
+
+
+def append_ring_layer_cache(cache: RingLayerCache, keys_new: torch.Tensor, values_new: torch.Tensor) -> RingLayerCache:
+    """Writes at ``cache.length`` and advances it in place (its address stays).
+
+    As :func:`update_ring_layer_cache` with ``start = cache.length``; the new
+    length is copied into ``cache.length`` (a functional op plus ``copy_``:
+    see docs/design.md on the Inductor bug of in-place length ops).
+
+    Args:
+        cache: The ring; ``length`` is advanced by ``chunk``.
+        keys_new: ``(batch, num_kv_heads, chunk, head_dim)``.
+        values_new: Same shape as ``keys_new``.
+
+    Returns:
+        ``cache`` itself.
+
+    Raises:
+        ValueError, TypeError: As :func:`update_ring_layer_cache`.
+    """
+    _check_ring(cache)
+    _check_length_writable(cache.length)
+    cache.length.copy_(
+        _ring_update_op(
+            cache.keys, cache.values, cache.positions, keys_new, values_new, cache.length, sinks=cache.sinks
+        )
+    )
+    return cache
+
+
+def write_ring_layer_cache(
+    cache: RingLayerCache,
+    keys_new: torch.Tensor,
+    values_new: torch.Tensor,
+    start: Optional[Union[int, torch.Tensor]] = None,
+) -> RingKV:
+    """Writes a chunk and returns what its queries attend over: write-then-attend in one call.
+
+    The step of a transformers layer: ``kv = write_ring_layer_cache(ring, k,
+    v)`` then ``kvcache.attend(q, kv)`` with the whole chunk's queries. For a
+    chunk of at most ``max_step`` tokens the ring itself holds everything its
+    queries see, so the chunk is written and the ring returned. A longer
+    chunk (a prompt) would overwrite, inside the chunk, keys that its own
+    earlier queries need; then the ring's slots from before the write
+    (positions at or past ``start`` masked as empty: they are stale) are
+    concatenated with the chunk, which the queries attend over exactly, and
+    the ring keeps only its last ``capacity - sinks`` positions (and the
+    sinks). Same results either way; the long path costs one copy of the
+    ring and the chunk.
+
+    Args:
+        cache: The ring.
+        keys_new: ``(batch, num_kv_heads, chunk, head_dim)``.
+        values_new: Same shape as ``keys_new``.
+        start: First position (int, or int tensor 0-D / ``(batch,)``); ``None``
+            writes at ``cache.length`` and advances it in place.
+
+    Returns:
+        :class:`RingKV` to pass to :func:`kvcache.attend`, whose ``length``
+        is the logical length after the write.
+
+    Raises:
+        ValueError, TypeError: As :func:`update_ring_layer_cache`.
+    """
+    _check_ring(cache)
+    if start is None:
+        start_t = cache.length
+    else:
+        start_t = _start_tensor(cache, start)
+    chunk = keys_new.shape[2] if isinstance(keys_new, torch.Tensor) and keys_new.dim() == 4 else 0
+    long_chunk = chunk > cache.max_step
+    if long_chunk:
+        batch = cache.positions.shape[0]
+        s = start_t.to(torch.int32)
+        s = s.view(-1, 1) if s.dim() == 1 else s
+        old = torch.where(cache.positions < s, cache.positions, -1)
+        new = (s + torch.arange(chunk, dtype=torch.int32, device=s.device)).expand(batch, chunk)
+        view_pos = torch.cat([old, new], dim=1)
+        view_k = torch.cat([cache.keys, keys_new], dim=2)
+        view_v = torch.cat([cache.values, values_new], dim=2)
+    length = _ring_update_op(
+        cache.keys, cache.values, cache.positions, keys_new, values_new, start_t, sinks=cache.sinks
+    )
+    if start is None:
+        _check_length_writable(cache.length)
+        cache.length.copy_(length)
+        length = cache.length
+    if long_chunk:
+        return RingKV(view_k, view_v, view_pos, length, cache.window, cache.sinks)
+    return RingKV(cache.keys, cache.values, cache.positions, length, cache.window, cache.sinks)
+
+
+def attend_ring(
+    q: torch.Tensor,
+    kv: Union[RingLayerCache, RingKV],
+    kv_start: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
+    """Attention of the last ``seq`` positions' queries over a ring, by position.
+
+    Query ``i`` of row ``b`` sits at position ``p = length[b] - seq + i`` and
+    sees the slots whose position ``q`` has ``kv_start[b] <= q <= p`` and
+    (``q < sinks`` or ``p - q < window``). Empty and stale slots are never
+    read; a decode step costs O(capacity), flat in the context length.
+
+    Args:
+        q: ``(batch, num_heads, seq, head_dim)``, the cache's dtype (float32,
+            bfloat16, float16).
+        kv: A :class:`RingLayerCache` after a write of at most ``max_step``
+            tokens, or the :class:`RingKV` of :func:`write_ring_layer_cache`.
+        kv_start: ``(batch,)`` or 0-D int: first valid position (left
+            padding); ``None`` means 0.
+        scale: Score scale; ``None`` means ``head_dim ** -0.5``.
+        softcap: ``softcap * tanh(score / softcap)``; ``None`` or 0: none.
+
+    Returns:
+        ``(batch, num_heads, seq, head_dim)`` in ``q``'s dtype. A query that
+        sees no position gets zeros; one that finds fewer of its positions
+        than the rule asks for (the ring lost them: see the module's
+        exactness rule) gets NaN.
+
+    Raises:
+        ValueError: Shapes, devices or options that do not fit; on CPU,
+            lengths below ``seq`` or ``kv_start`` outside ``[0, length]``
+            (on CUDA those rows get NaN).
+        TypeError: Unsupported or mismatched dtypes.
+    """
+    if not isinstance(kv, (RingLayerCache, RingKV)):
+        raise TypeError(f"kv must be a RingLayerCache or RingKV, got {type(kv).__name__}")
+    return _attend_op(
+        q,
+        kv.keys,
+        kv.values,
+        kv.length,
+        kv_start=kv_start,
+        scale=scale,
+        window=kv.window,
+        softcap=0.0 if softcap is None else softcap,
+        positions=kv.positions,
+        sinks=kv.sinks,
+    )
+
+
+def rollback_ring_layer_cache(
+    cache: RingLayerCache, n: Union[int, torch.Tensor], *, kv_start: Optional[torch.Tensor] = None
+) -> RingLayerCache:
+    """Drops the last ``n`` tokens of each row (``length -= n``), in place.
+
+    Length arithmetic only: the dropped slots keep positions at or past the
+    new length, which :func:`attend_ring` never reads, and the next write
+    overwrites them. Exact after any number of wraps as long as no write
+    starts more than ``max_step`` below the furthest position written.
+
+    Args:
+        cache: The ring; ``length`` changes in place.
+        n: Tokens to drop: an int (every row) or an int tensor, 0-D or of
+            ``length``'s shape.
+        kv_start: First valid position per row; a row may not go below it.
+
+    Returns:
+        ``cache`` itself.
+
+    Raises:
+        ValueError: An int ``n`` above ``max_step`` or negative, or more
+            than a row holds (CPU; on CUDA every length becomes -1). A tensor
+            ``n`` above ``max_step`` is not checked (that would sync): the
+            queries that lost positions then get NaN.
+        TypeError: If ``n`` is not an int or an integer tensor.
+    """
+    _check_ring(cache)
+    if not isinstance(n, torch.Tensor):
+        n = _as_int("n", n)
+        if n > cache.max_step:
+            raise ValueError(
+                f"a ring rolls back at most max_step={cache.max_step} tokens exactly, got n={n} "
+                "(make the ring with a larger max_step)"
+            )
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        n = torch.tensor(n, dtype=torch.int64, device=cache.length.device)
+    _check_length_writable(cache.length)
+    cache.length.copy_(_rollback_op(cache.length, n, kv_start=kv_start))
+    return cache
+
+
+def select_rows_ring_layer_cache(cache: RingLayerCache, index: torch.Tensor) -> RingLayerCache:
+    """Row ``b`` takes keys, values, positions and length of row ``index[b]``, in place.
+
+    Beam search and forking on a ring: every slot of the selected rows moves
+    (``select_rows_`` over the whole capacity), with the positions.
+
+    Args:
+        cache: The ring.
+        index: ``(batch,)`` int32/int64 on the cache's device, in ``[0, batch)``.
+
+    Returns:
+        ``cache`` itself.
+
+    Raises:
+        ValueError: An index out of range (CPU: nothing changes; CUDA:
+            nothing is written and every length becomes -1), or shapes and
+            devices that do not fit.
+        TypeError: If ``index`` is not an integer tensor.
+    """
+    _check_ring(cache)
+    _check_length_writable(cache.length)
+    full = torch.full((), cache.capacity, dtype=torch.int32, device=cache.length.device)
+    # Validates index (CPU: raises before any write; CUDA: -1 and no write).
+    moved = _select_rows_op(cache.keys, cache.values, full, index)
+    ok = moved >= 0
+    batch = cache.positions.shape[0]
+    safe = index.clamp(0, max(batch - 1, 0)).long()
+    cache.positions.copy_(torch.where(ok, cache.positions.index_select(0, safe), cache.positions))
+    length = cache.length.index_select(0, safe) if cache.length.dim() == 1 else cache.length
+    cache.length.copy_(torch.where(ok, length, -1))
+    return cache
+
+
+def reset_rows_ring_layer_cache(cache: RingLayerCache, rows: torch.Tensor) -> RingLayerCache:
+    """Empties the given rows: length 0 and every slot's position -1, in place.
+
+    Args:
+        cache: The ring, with a per-row ``length`` of shape ``(batch,)``.
+        rows: ``(batch,)`` bool mask, or an int tensor of row indices.
+
+    Returns:
+        ``cache`` itself.
+
+    Raises:
+        ValueError: If ``cache.length`` is 0-D.
+        TypeError: If ``rows`` is not a bool or integer tensor.
+    """
+    _check_ring(cache)
+    if cache.length.dim() != 1:
+        raise ValueError(
+            "reset_rows_ring_layer_cache needs a per-row length of shape (batch,), got a "
+            f"{cache.length.dim()}-D length: make it per-row with length.expand(batch).clone() first"
+        )
+    if not isinstance(rows, torch.Tensor) or rows.is_floating_point() or rows.is_complex():
+        raise TypeError("rows must be a bool mask or an integer tensor of row indices")
+    _check_length_writable(cache.length)
+    if rows.dtype == torch.bool:
+        cache.positions.masked_fill_(rows.view(-1, 1), -1)
+        cache.length.masked_fill_(rows, 0)
+    else:
+        cache.positions.index_fill_(0, rows, -1)
+        cache.length.index_fill_(0, rows, 0)
+    return cache
