@@ -540,3 +540,114 @@ def test_hf_kvcache_kv_dtype():
         model(input_ids=ids, past_key_values=kh.KVCache(cfg, 32, kv_dtype="int8"))
     with pytest.raises(TypeError, match="kv_dtype must be"):
         kh.KVCache(cfg, 32, kv_dtype="int4")
+
+
+# ------------------------------------------------------ quantized rings ---
+
+
+def _ring_steps(window, sinks, max_step):
+    # Decode past several wraps, a chunk of max_step, one longer than the ring, then decode.
+    cap = sinks + window + max_step - 1
+    return [1] * (3 * cap) + [max_step, cap + 3, 2, 1, 1]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
+@pytest.mark.parametrize("window,sinks,max_step", [(1, 0, 1), (8, 0, 3), (8, 2, 4), (16, 4, 5)])
+def test_quantized_ring_matches_float64_over_its_quantized_positions(kv_dtype, window, sinks, max_step):
+    # The ring stores exactly the plain-PyTorch quantization of every position it keeps (bit-exact
+    # data and scales), and attend over it equals float64 attention over the dequantized history
+    # with the window/sink rule, through wraps, long chunks and a ragged batch of 2.
+    b, kvh, h, d = 2, 2, 4, 16
+    ring = kvcache.init_ring_layer_cache(b, kvh, d, window, torch.float32, sinks=sinks, max_step=max_step,
+                                         kv_dtype=kv_dtype)
+    assert ring.quantized and ring.keys.dtype == kv_dtype and ring.k_scale.shape == (b, kvh, ring.capacity)
+    length = torch.tensor([0, 3], dtype=torch.int32)  # row 1 starts 3 positions later (ragged)
+    ring = kvcache.RingLayerCache(ring.keys, ring.values, ring.positions, length, window, sinks, max_step,
+                                  ring.k_scale, ring.v_scale)
+    kv_start = torch.tensor([0, 3], dtype=torch.int32)  # row 1 holds positions from 3 (left padding)
+    hist_k, hist_v = [[], []], [[], []]
+    seed = 0
+    for step in _ring_steps(window, sinks, max_step):
+        seed += 1
+        kn = random_tensor((b, kvh, step, d), torch.float32, seed=seed)
+        vn = random_tensor((b, kvh, step, d), torch.float32, seed=seed + 1000)
+        q = random_tensor((b, h, step, d), torch.float32, seed=seed + 2000) * 0.5
+        kv = kvcache.write_ring_layer_cache(ring, kn, vn)
+        out = kvcache.attend(q, kv, kv_start=kv_start)
+        for r in range(b):
+            hist_k[r].append(kn[r]); hist_v[r].append(vn[r])
+        for r in range(b):
+            K = torch.cat(hist_k[r], dim=1)
+            V = torch.cat(hist_v[r], dim=1)
+            qk, sk = ref_quantize(K, kv_dtype)
+            qv, sv = ref_quantize(V, kv_dtype)
+            start = 3 * r  # row 1's positions begin at 3
+            n = K.shape[1]
+            pos = torch.arange(start, start + n, dtype=torch.int32).view(1, n)
+            ref = reference(q[r:r + 1], dequantize(qk, sk)[None], dequantize(qv, sv)[None],
+                            torch.tensor([start + n], dtype=torch.int32),
+                            kv_start=torch.tensor([start]), window=window, positions=pos, sinks=sinks)
+            torch.testing.assert_close(out[r:r + 1].double(), ref, atol=2e-5, rtol=1e-4)
+        # What the ring keeps is bit-exact: each kept slot holds its position's quantization.
+        for r in range(b):
+            K = torch.cat(hist_k[r], dim=1)
+            qk, sk = ref_quantize(K, kv_dtype)
+            for slot, p in enumerate(ring.positions[r].tolist()):
+                if p < 0:
+                    continue
+                i = p - 3 * r
+                assert torch.equal(ring.keys[r, :, slot].view(torch.uint8), qk[:, i].view(torch.uint8))
+                assert torch.equal(ring.k_scale[r, :, slot], sk[:, i])
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
+def test_quantized_ring_rollback_select_and_reset(kv_dtype):
+    # Rollback after a wrap is bit-identical to never having decoded the rolled-back tokens; row
+    # selection moves data, scales and positions; reset empties a row.
+    b, kvh, h, d, window, R = 2, 1, 2, 8, 6, 3
+    def fresh():
+        c = kvcache.init_ring_layer_cache(b, kvh, d, window, torch.float32, max_step=R, kv_dtype=kv_dtype)
+        return kvcache.RingLayerCache(c.keys, c.values, c.positions, torch.zeros(b, dtype=torch.int32),
+                                      window, 0, R, c.k_scale, c.v_scale)
+    toks = [random_tensor((b, kvh, 1, d), torch.float32, seed=i) for i in range(40)]
+    q = random_tensor((b, h, 1, d), torch.float32, seed=99)
+    a, c = fresh(), fresh()
+    for t in toks[:30]:
+        kvcache.append_ring_layer_cache(a, t, -t)
+    for t in toks[30:33]:  # a draft of R tokens, rejected
+        kvcache.append_ring_layer_cache(a, t * 3, t)
+    kvcache.rollback_ring_layer_cache(a, R)
+    for t in toks[:30]:
+        kvcache.append_ring_layer_cache(c, t, -t)
+    for t in toks[33:36]:
+        kvcache.append_ring_layer_cache(a, t, -t)
+        kvcache.append_ring_layer_cache(c, t, -t)
+    assert torch.equal(kvcache.attend(q, a), kvcache.attend(q, c))
+    before = [x.clone() for x in (a.keys, a.values, a.k_scale, a.v_scale, a.positions)]
+    kvcache.select_rows_ring_layer_cache(a, torch.tensor([1, 1]))
+    for got, old in zip((a.keys, a.values, a.k_scale, a.v_scale, a.positions), before):
+        assert torch.equal(got[0].view(torch.uint8) if got.dtype == kv_dtype else got[0],
+                           old[1].view(torch.uint8) if old.dtype == kv_dtype else old[1])
+    with pytest.raises(ValueError, match="index"):
+        kvcache.select_rows_ring_layer_cache(a, torch.tensor([0, 2]))
+    kvcache.reset_rows_ring_layer_cache(a, torch.tensor([True, False]))
+    assert int(a.length[0]) == 0 and (a.positions[0] == -1).all()
+
+
+def test_quantized_ring_bad_writes_raise_and_write_nothing():
+    c = kvcache.init_ring_layer_cache(1, 2, 8, 4, torch.float32, max_step=2, kv_dtype="int8")
+    before = [x.clone() for x in (c.keys, c.values, c.k_scale, c.v_scale, c.positions, c.length)]
+    kn = torch.randn(1, 2, 1, 8)
+    for bad, err, match in [
+        ((torch.randn(1, 2, 1, 4), kn), ValueError, "shape"),  # head_dim mismatch
+        ((kn.double(), kn.double()), TypeError, "float"),  # float64 new data
+        ((torch.randn(1, 3, 1, 8), torch.randn(1, 3, 1, 8)), ValueError, "heads"),  # wrong heads
+        ((torch.randn(2, 8), kn), ValueError, "keys_new"),  # not 4-D
+    ]:
+        with pytest.raises(err, match=match):
+            kvcache.append_ring_layer_cache(c, *bad)
+        for got, old in zip((c.keys, c.values, c.k_scale, c.v_scale, c.positions, c.length), before):
+            assert torch.equal(got.view(torch.uint8) if got.dtype == torch.int8 else got,
+                               old.view(torch.uint8) if old.dtype == torch.int8 else old)
+    with pytest.raises(ValueError, match="start"):
+        kvcache.update_ring_layer_cache(c, kn, kn, -1)
