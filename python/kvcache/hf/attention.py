@@ -127,8 +127,9 @@ def kvcache_attention(
         module: The attention module (``module.layer_idx``, ``module.training``).
         query: ``(batch, num_heads, seq, head_dim)``.
         key, value: What ``Cache.update`` returned: a :class:`KVCache`
-            layer's buffers (read up to that layer's per-row lengths), or
-            any transformers layer's keys/values that end at the query.
+            layer's buffers (read up to that layer's per-row lengths; a ring
+            layer by its recorded positions, window and sinks), or any
+            transformers layer's keys/values that end at the query.
         attention_mask: The tensor :func:`kvcache_mask` built, or ``None``.
         dropout: Must be 0 (inference).
         scaling: Score scale (default ``head_dim ** -0.5``).
@@ -141,7 +142,8 @@ def kvcache_attention(
 
     Raises:
         NotImplementedError: Dropout in training, non-causal attention,
-            attention sinks or position biases.
+            learned attention-sink logits (gpt-oss ``s_aux``) or position
+            biases; ``KVCache(sinks=N)`` over a left-padded batch.
         ValueError: A mask not built by :func:`kvcache_mask`; lengths out of
             range (``attend``'s checks).
     """
@@ -155,9 +157,20 @@ def kvcache_attention(
     if attention_mask is not None:
         _check_mask(attention_mask)
     layer = _registry.layer_of(key, value)
+    positions, sinks = None, 0
     if layer is not None:
         lengths, window = layer.lengths, layer.window
         kv_start = None if attention_mask is None else attention_mask.view(-1, 2).select(1, 0)
+        if getattr(layer, "positions", None) is not None:
+            # A ring (KVRingLayer): read by the recorded positions, over the ring or, after a
+            # chunk longer than max_step, over the temporary write_ring_layer_cache returned.
+            view = layer.take_view()
+            key, value, positions, lengths, sinks = view.keys, view.values, view.positions, view.length, view.sinks
+            if sinks and kv_start is not None and query.shape[2] > 1 and not _compiling() and bool(
+                    (kv_start > 0).any()):
+                raise NotImplementedError(
+                    f"KVCache(sinks={sinks}) does not support left-padded batches (a row's sinks are its first "
+                    f"{sinks} slots, which hold padding there): generate such rows one at a time, or use sinks=0")
     else:
         # Keys that hold a contiguous run of tokens ending at the last query.
         key_len = key.shape[-2]
@@ -169,6 +182,10 @@ def kvcache_attention(
             kv_start, total = attention_mask.view(-1, 2).unbind(1)
             lengths = total.clamp(max=key_len)
             kv_start = (kv_start - (total - lengths)).clamp(min=0)
-    out = _attend_op(query, key, value, lengths, kv_start=kv_start, scale=scaling, window=window,
-                     softcap=float(softcap or 0.0))
+    if positions is None:
+        out = _attend_op(query, key, value, lengths, kv_start=kv_start, scale=scaling, window=window,
+                         softcap=float(softcap or 0.0))
+    else:
+        out = _attend_op(query, key, value, lengths, kv_start=kv_start, scale=scaling, window=window,
+                         softcap=float(softcap or 0.0), positions=positions, sinks=sinks)
     return out.transpose(1, 2), None
