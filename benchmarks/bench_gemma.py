@@ -122,7 +122,7 @@ def load(path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                     torch_dtype=torch.float32)
+                                                     dtype=torch.float32)
     return model.eval()
 
 

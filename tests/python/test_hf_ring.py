@@ -354,3 +354,34 @@ def test_bad_crop_and_rollback():
     with pytest.raises(ValueError, match="n must be >= 0"):
         cache.layers[0].rollback(-1)
     assert all(la.lengths.tolist() == [PROMPT] for la in rings(cache))  # nothing changed
+
+
+# ------------------------------------------------------------ torch.compile
+
+
+@torch.no_grad()
+def test_fullgraph_forward_prefill_longer_than_the_ring_then_decode_across_wraps():
+    # Traced whole (mask builder, registry lookup, the long-chunk temporary kept on the layer):
+    # one graph for the prefill shape and one for every decode step, before and after the wraps.
+    from torch._dynamo.utils import counters
+
+    model = _model("mistral")
+    ids, _ = inputs(1)
+    ref_cache = DynamicCache(config=model.config)
+    cache = kh.KVCache(model.config, MAX_LEN, batch_size=1, dtype=torch.float32, device="cpu", max_step=4)
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    torch._dynamo.reset()
+    counters.clear()
+    x, past = ids, 0
+    for step in range(13):  # 20 + 12 positions through a 9-slot ring
+        pos = torch.arange(past, past + x.shape[1]).unsqueeze(0)
+        m = torch.ones(1, past + x.shape[1], dtype=torch.long)
+        model.set_attn_implementation("sdpa")
+        want = model(input_ids=x, attention_mask=m, position_ids=pos, **{kh.CACHE_ARG: ref_cache}).logits
+        model.set_attn_implementation("kvcache")
+        got = compiled(input_ids=x, attention_mask=m, position_ids=pos, **{kh.CACHE_ARG: cache}).logits
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        past += x.shape[1]
+        x = want[:, -1:].argmax(-1)
+    assert all(la.lengths.tolist() == [past] for la in rings(cache))
+    assert counters["stats"]["unique_graphs"] <= 3  # prefill, first decode, decode with a grown mask
