@@ -385,3 +385,23 @@ def test_fullgraph_forward_prefill_longer_than_the_ring_then_decode_across_wraps
         x = want[:, -1:].argmax(-1)
     assert all(la.lengths.tolist() == [past] for la in rings(cache))
     assert counters["stats"]["unique_graphs"] <= 3  # prefill, first decode, decode with a grown mask
+
+
+def test_gpt_oss_learned_sinks_refused_by_kvcache_attention_served_by_eager():
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    cfg = GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
+                       num_experts_per_tok=1, sliding_window=WINDOW, layer_types=["sliding_attention",
+                                                                                   "full_attention"],
+                       max_position_embeddings=512, initializer_range=0.02, pad_token_id=0)
+    model = GptOssForCausalLM(cfg).eval()
+    torch.nn.init.normal_(model.model.layers[0].self_attn.sinks, std=2.0)  # sinks that matter
+    ids, mask = inputs(1)
+    ref = generate(model, ids, mask, DynamicCache(config=model.config), impl="eager", new=12)
+    with pytest.raises(NotImplementedError, match="s_aux"):
+        generate(model, ids, mask, kh.KVCache(model.config, MAX_LEN), impl="kvcache", new=12)
+    with pytest.warns(UserWarning, match="O\\(capacity\\)"):
+        out = generate(model, ids, mask, kh.KVCache(model.config, MAX_LEN, max_step=4), impl="eager", new=12)
+    assert_tokens(out, ref)

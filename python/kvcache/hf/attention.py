@@ -151,9 +151,14 @@ def kvcache_attention(
         raise NotImplementedError("attn_implementation='kvcache' is for inference: attention dropout is not supported")
     if is_causal is False or not getattr(module, "is_causal", True):
         raise NotImplementedError("attn_implementation='kvcache' supports causal self-attention only")
-    for name in ("s_aux", "sinks", "position_bias"):
+    for name in ("s_aux", "sinks"):
         if kwargs.get(name) is not None:
-            raise NotImplementedError(f"attn_implementation='kvcache' does not support {name}")
+            raise NotImplementedError(
+                f"attn_implementation='kvcache' does not support learned attention-sink logits ({name}, gpt-oss): "
+                "attend has no sink-logit input; load the model with attn_implementation='eager' (a "
+                "kvcache.hf.KVCache, rings included, still serves it, O(max_cache_len) per step)")
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError("attn_implementation='kvcache' does not support position_bias")
     if attention_mask is not None:
         _check_mask(attention_mask)
     layer = _registry.layer_of(key, value)
