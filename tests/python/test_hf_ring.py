@@ -405,3 +405,24 @@ def test_gpt_oss_learned_sinks_refused_by_kvcache_attention_served_by_eager():
     with pytest.warns(UserWarning, match="O\\(capacity\\)"):
         out = generate(model, ids, mask, kh.KVCache(model.config, MAX_LEN, max_step=4), impl="eager", new=12)
     assert_tokens(out, ref)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_quantized_rings(kv_dtype):
+    # kv_dtype quantizes the rings too (per-slot scales): logits of a prefill longer than the
+    # ring and decode steps across its wraps stay near transformers' float32 DynamicCache.
+    model = _model("gemma3")
+    ids, _ = inputs(1, prompt=40)
+    model.set_attn_implementation("sdpa")
+    ref = _forward(model, ids, DynamicCache(config=model.config), 0)
+    model.set_attn_implementation("kvcache")
+    cache = kh.KVCache(model.config, MAX_LEN, max_step=4, kv_dtype=kv_dtype)
+    got = torch.cat([_forward(model, ids[:, :20], cache, 0)] +
+                    [_forward(model, ids[:, p:p + 1], cache, p) for p in range(20, 40)], 1)
+    for la in rings(cache):
+        assert la.keys.dtype in (torch.int8, torch.float8_e4m3fn) and la.keys.shape[2] == WINDOW + 3
+        assert la.k_scale.shape == la.keys.shape[:3]
+    err = (got - ref).abs().max().item()
+    assert err < 0.05 * ref.abs().max().item(), err
+    cache.crop(-2)  # rollback moves nothing: lengths only
+    assert all(la.lengths.tolist() == [38] for la in rings(cache))

@@ -163,14 +163,17 @@ def kvcache_attention(
         _check_mask(attention_mask)
     layer = _registry.layer_of(key, value)
     positions, sinks = None, 0
+    k_scale = v_scale = None
     if layer is not None:
         lengths, window = layer.lengths, layer.window
+        k_scale, v_scale = layer.k_scale, layer.v_scale  # a quantized layer's (None otherwise)
         kv_start = None if attention_mask is None else attention_mask.view(-1, 2).select(1, 0)
         if getattr(layer, "positions", None) is not None:
             # A ring (KVRingLayer): read by the recorded positions, over the ring or, after a
             # chunk longer than max_step, over the temporary write_ring_layer_cache returned.
             view = layer.take_view()
             key, value, positions, lengths, sinks = view.keys, view.values, view.positions, view.length, view.sinks
+            k_scale, v_scale = view.k_scale, view.v_scale  # a quantized ring's (None otherwise)
             if sinks and kv_start is not None and query.shape[2] > 1 and not _compiling() and bool(
                     (kv_start > 0).any()):
                 raise NotImplementedError(
@@ -189,8 +192,9 @@ def kvcache_attention(
             kv_start = (kv_start - (total - lengths)).clamp(min=0)
     if positions is None:
         out = _attend_op(query, key, value, lengths, kv_start=kv_start, scale=scaling, window=window,
-                         softcap=float(softcap or 0.0))
+                         softcap=float(softcap or 0.0), k_scale=k_scale, v_scale=v_scale)
     else:
         out = _attend_op(query, key, value, lengths, kv_start=kv_start, scale=scaling, window=window,
-                         softcap=float(softcap or 0.0), positions=positions, sinks=sinks)
+                         softcap=float(softcap or 0.0), positions=positions, sinks=sinks, k_scale=k_scale,
+                         v_scale=v_scale)
     return out.transpose(1, 2), None

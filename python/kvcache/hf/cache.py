@@ -98,10 +98,17 @@ class KVCache(Cache):
         sinks: Attention sinks for the sliding layers (rings only): the first
             ``sinks`` positions of a row stay visible to every query
             (StreamingLLM); default 0. Left-padded batches are refused with it.
+        kv_dtype: ``None`` (keys/values in the model's dtype), ``"int8"``
+            or ``"fp8"`` (also ``torch.int8`` / ``torch.float8_e4m3fn``): a
+            quantized cache, about a quarter of fp32's bytes (README
+            "Quantized caches"); needs ``attn_implementation="kvcache"``,
+            which dequantizes in registers (any other is refused at the first
+            update, before anything is written). Rings are quantized too
+            (per-slot scales move with their slots).
 
     Raises:
         TypeError: ``max_cache_len`` or ``batch_size`` not an int, ``dtype``
-            not a ``torch.dtype``.
+            not a ``torch.dtype``, ``kv_dtype`` not one of its spellings.
         ValueError: ``max_cache_len`` not in ``[1, 2**31)``, ``batch_size``
             < 1, an unknown ``sliding_layers``, ``max_step`` < 1, ``sinks`` <
             0, ``sinks`` > 0 without rings, KV heads that do not split across
@@ -122,6 +129,7 @@ class KVCache(Cache):
         sliding_layers: str = "ring",
         max_step: int = _ring.DEFAULT_MAX_STEP,
         sinks: int = 0,
+        kv_dtype=None,
     ):
         max_cache_len = _api._as_int("max_cache_len", max_cache_len)
         if not 1 <= max_cache_len < 2**31:
@@ -146,6 +154,7 @@ class KVCache(Cache):
             raise ValueError(f"sinks={sinks} needs sliding_layers='ring', got sliding_layers={sliding_layers!r}")
         self.sliding_layers, self.max_step, self.sinks = sliding_layers, max_step, sinks
         dev = torch.device(device) if device is not None else None
+        self.kv_dtype = _api._kv_dtype(kv_dtype)
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self.config = text
         self._max_cache_len = max_cache_len
@@ -168,7 +177,7 @@ class KVCache(Cache):
         layers = []
         for i, (t, w) in enumerate(zip(types, windows)):
             if t == "full_attention":
-                layers.append(KVCacheLayer(max_cache_len, 0, i))
+                layers.append(KVCacheLayer(max_cache_len, 0, i, kv_dtype=self.kv_dtype))
             elif t == "sliding_attention":
                 if w is None or w < 1:
                     raise ValueError(f"layer {i} is a sliding_attention layer without a sliding_window in the config")
@@ -176,9 +185,10 @@ class KVCache(Cache):
                     if sinks + int(w) + max_step - 1 >= 2**31:
                         raise ValueError(f"sinks + sliding_window + max_step - 1 = {sinks + int(w) + max_step - 1} "
                                          "slots: a ring holds fewer than 2**31 (int32 positions)")
-                    layers.append(KVRingLayer(max_cache_len, int(w), i, sinks=sinks, max_step=max_step))
+                    layers.append(KVRingLayer(max_cache_len, int(w), i, sinks=sinks, max_step=max_step,
+                                              kv_dtype=self.kv_dtype))
                 elif sliding_layers == "linear":
-                    layers.append(KVCacheLayer(max_cache_len, int(w), i))
+                    layers.append(KVCacheLayer(max_cache_len, int(w), i, kv_dtype=self.kv_dtype))
                 else:
                     layers.append(StaticSlidingWindowLayer(max_cache_len=max_cache_len, sliding_window=int(w)))
             elif t in ("linear_attention", "conv"):
@@ -227,6 +237,12 @@ class KVCache(Cache):
         if not self._attn_checked and not _compiling():
             self._attn_checked = True
             impl = getattr(self.config, "_attn_implementation", None)
+            if impl != ATTN_IMPLEMENTATION and self.kv_dtype is not None:
+                self._attn_checked = False
+                raise ValueError(
+                    f"a quantized kvcache.hf.KVCache (kv_dtype={self.kv_dtype}) is read by "
+                    f"attn_implementation='{ATTN_IMPLEMENTATION}' only (it dequantizes in registers), got {impl!r}: "
+                    f"load the model with attn_implementation='{ATTN_IMPLEMENTATION}' (nothing was written)")
             if impl != ATTN_IMPLEMENTATION and any(isinstance(l, KVCacheLayer) for l in self.layers):
                 warnings.warn(
                     f"kvcache.hf.KVCache is used with attn_implementation={impl!r}: attention reads the whole "

@@ -37,6 +37,8 @@ class KVRingLayer(KVCacheLayer):
             (StreamingLLM attention sinks); 0: none.
         max_step: R: the most tokens one step may add inside the ring, and
             the deepest exact rollback (``crop``) from the furthest position written.
+        kv_dtype: ``None``, or ``"int8"``/``"fp8"`` (a quantized ring: per-slot
+            float32 scales ``k_scale``/``v_scale`` that move with their slots).
 
     Attributes:
         keys, values: ``(batch, num_kv_heads, capacity, head_dim)``.
@@ -46,8 +48,8 @@ class KVRingLayer(KVCacheLayer):
     """
 
     def __init__(self, max_cache_len: int, window: int, layer_idx: int = 0, *, sinks: int = 0,
-                 max_step: int = _ring.DEFAULT_MAX_STEP):
-        super().__init__(max_cache_len, window, layer_idx)
+                 max_step: int = _ring.DEFAULT_MAX_STEP, kv_dtype=None):
+        super().__init__(max_cache_len, window, layer_idx, kv_dtype=kv_dtype)
         self.sinks = sinks
         self.max_step = max_step
         self.capacity = sinks + window + max_step - 1
@@ -65,14 +67,16 @@ class KVRingLayer(KVCacheLayer):
     def allocate(self, batch_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
         """Allocates an empty ring (zero buffers, every position -1, zero lengths)."""
         r = _ring.init_ring_layer_cache(batch_size, num_kv_heads, head_dim, self.window, dtype,
-                                        device=torch.device(device), sinks=self.sinks, max_step=self.max_step)
+                                        device=torch.device(device), sinks=self.sinks, max_step=self.max_step,
+                                        kv_dtype=self.kv_dtype)
         lengths = torch.zeros(batch_size, dtype=torch.int32, device=r.keys.device)
-        self._set_ring(r.keys, r.values, r.positions, lengths)
+        self._set_ring(r.keys, r.values, r.positions, lengths, r.k_scale, r.v_scale)
 
-    def _set_ring(self, keys, values, positions, lengths) -> None:
+    def _set_ring(self, keys, values, positions, lengths, k_scale=None, v_scale=None) -> None:
         self.positions = positions
-        self.ring = _ring.RingLayerCache(keys, values, positions, lengths, self.window, self.sinks, self.max_step)
-        self._set_buffers(keys, values, lengths)
+        self.ring = _ring.RingLayerCache(keys, values, positions, lengths, self.window, self.sinks, self.max_step,
+                                         k_scale, v_scale)
+        self._set_buffers(keys, values, lengths, k_scale, v_scale)
         if not _compiling():
             torch._dynamo.mark_static_address(positions)
 
@@ -105,7 +109,8 @@ class KVRingLayer(KVCacheLayer):
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if key_states.dtype != self.keys.dtype or value_states.dtype != self.keys.dtype:
+        if self.kv_dtype is None and (key_states.dtype != self.keys.dtype or value_states.dtype != self.keys.dtype):
+            # (A quantized ring's write takes any float dtype and checks it, nothing written on error.)
             raise TypeError(
                 f"layer {self.layer_idx}: the cache holds {self.keys.dtype} keys/values but the model passed "
                 f"{key_states.dtype} keys and {value_states.dtype} values (nothing was written); build the "
@@ -115,6 +120,10 @@ class KVRingLayer(KVCacheLayer):
                 f"layer {self.layer_idx}: the cache holds a batch of {self.keys.shape[0]} rows but the model passed "
                 f"{key_states.shape[0]} (nothing was written); use batch_repeat_interleave/batch_select_indices "
                 "or a new cache")
+        if linear_view and self.kv_dtype is not None:
+            raise ValueError(
+                f"layer {self.layer_idx}: a quantized ring (kv_dtype={self.kv_dtype}) is read by "
+                "attn_implementation='kvcache' only (nothing was written)")
         if linear_view and not _compiling():
             end = int(self.lengths.max()) + key_states.shape[2]
             if end > self.max_cache_len:
@@ -147,7 +156,8 @@ class KVRingLayer(KVCacheLayer):
         v, self._view = self._view, None
         if v is not None:
             return v
-        return _ring.RingKV(self.keys, self.values, self.positions, self.lengths, self.window, self.sinks)
+        return _ring.RingKV(self.keys, self.values, self.positions, self.lengths, self.window, self.sinks,
+                            self.k_scale, self.v_scale)
 
     # -- sizes and rollback ---------------------------------------------------
 
@@ -252,7 +262,8 @@ class KVRingLayer(KVCacheLayer):
         elif k < b:
             full = torch.cat((idx, torch.arange(k, b, device=dev)))
             _ring.select_rows_ring_layer_cache(self.ring, full)
-            self._set_ring(self.keys[:k], self.values[:k], self.positions[:k], self.lengths[:k])
+            scales = (None, None) if self.k_scale is None else (self.k_scale[:k], self.v_scale[:k])
+            self._set_ring(self.keys[:k], self.values[:k], self.positions[:k], self.lengths[:k], *scales)
         else:
             self._grow(idx)
 
@@ -261,6 +272,9 @@ class KVRingLayer(KVCacheLayer):
         b = self.keys.shape[0]
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= b):
             raise ValueError(f"indices must be in [0, {b}), got {idx.tolist()}")
+        scales = (None, None)
+        if self.k_scale is not None:  # the scales are indexed like the slots
+            scales = (self.k_scale.index_select(0, idx), self.v_scale.index_select(0, idx))
         self._set_ring(self.keys.index_select(0, idx), self.values.index_select(0, idx),
-                       self.positions.index_select(0, idx), self.lengths.index_select(0, idx).clone())
+                       self.positions.index_select(0, idx), self.lengths.index_select(0, idx).clone(), *scales)
 
