@@ -251,6 +251,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=16, help="decode steps per timed round (<= 64)")
     p.add_argument("--quick", action="store_true", help="fewer tokens and rounds (a smoke run)")
     p.add_argument("--gguf", default=None, help="path to gemma-3-270m-q4_k_m.gguf (else downloaded)")
+    p.add_argument("--decode-only", action="store_true", help="only the decode timing (no memory/exactness)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     env = environment(torch.device("cpu"))
@@ -265,6 +266,11 @@ def main(argv=None) -> int:
     sliding = sum(t == "sliding_attention" for t in cfg.layer_types)
     print(f"model: {path}: {cfg.num_hidden_layers} layers ({sliding} sliding, window {cfg.sliding_window}), "
           f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads, head_dim {cfg.head_dim}")
+    if args.decode_only:
+        dec = decode_rows(model, thread_settings(args.threads), args.rounds, min(64, args.steps))
+        print_table(f"decode ms/token at a 2000-token context ({args.rounds} rounds x {args.steps} steps, "
+                    "median (min-max))", dec, ["threads", "cache", "context", "ms_per_token"])
+        return 0
     mem = memory_rows(cfg)
     print_table("KV memory, float32, batch 1 (MB = 1e6 bytes)", mem,
                 ["max_cache_len", "kvcache_MB", "static_MB", "dynamic_MB", "ours/static", "bar<=1.15"])
