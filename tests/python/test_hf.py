@@ -704,7 +704,7 @@ def test_bad_arguments():
     with pytest.raises(TypeError, match="dtype"):
         kh.KVCache(cfg, 8, dtype="float32")
     with pytest.raises(ValueError, match="sliding_layers"):
-        kh.KVCache(cfg, 8, sliding_layers="ring")
+        kh.KVCache(cfg, 8, sliding_layers="rings")
 
 
 # ------------------------------------------------------------------ packaging

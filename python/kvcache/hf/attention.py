@@ -127,8 +127,9 @@ def kvcache_attention(
         module: The attention module (``module.layer_idx``, ``module.training``).
         query: ``(batch, num_heads, seq, head_dim)``.
         key, value: What ``Cache.update`` returned: a :class:`KVCache`
-            layer's buffers (read up to that layer's per-row lengths), or
-            any transformers layer's keys/values that end at the query.
+            layer's buffers (read up to that layer's per-row lengths; a ring
+            layer by its recorded positions, window and sinks), or any
+            transformers layer's keys/values that end at the query.
         attention_mask: The tensor :func:`kvcache_mask` built, or ``None``.
         dropout: Must be 0 (inference).
         scaling: Score scale (default ``head_dim ** -0.5``).
@@ -141,7 +142,8 @@ def kvcache_attention(
 
     Raises:
         NotImplementedError: Dropout in training, non-causal attention,
-            attention sinks or position biases.
+            learned attention-sink logits (gpt-oss ``s_aux``) or position
+            biases; ``KVCache(sinks=N)`` over a left-padded batch.
         ValueError: A mask not built by :func:`kvcache_mask`; lengths out of
             range (``attend``'s checks).
     """
@@ -149,17 +151,34 @@ def kvcache_attention(
         raise NotImplementedError("attn_implementation='kvcache' is for inference: attention dropout is not supported")
     if is_causal is False or not getattr(module, "is_causal", True):
         raise NotImplementedError("attn_implementation='kvcache' supports causal self-attention only")
-    for name in ("s_aux", "sinks", "position_bias"):
+    for name in ("s_aux", "sinks"):
         if kwargs.get(name) is not None:
-            raise NotImplementedError(f"attn_implementation='kvcache' does not support {name}")
+            raise NotImplementedError(
+                f"attn_implementation='kvcache' does not support learned attention-sink logits ({name}, gpt-oss): "
+                "attend has no sink-logit input; load the model with attn_implementation='eager' (a "
+                "kvcache.hf.KVCache, rings included, still serves it, O(max_cache_len) per step)")
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError("attn_implementation='kvcache' does not support position_bias")
     if attention_mask is not None:
         _check_mask(attention_mask)
     layer = _registry.layer_of(key, value)
+    positions, sinks = None, 0
     k_scale = v_scale = None
     if layer is not None:
         lengths, window = layer.lengths, layer.window
         k_scale, v_scale = layer.k_scale, layer.v_scale  # a quantized layer's (None otherwise)
         kv_start = None if attention_mask is None else attention_mask.view(-1, 2).select(1, 0)
+        if getattr(layer, "positions", None) is not None:
+            # A ring (KVRingLayer): read by the recorded positions, over the ring or, after a
+            # chunk longer than max_step, over the temporary write_ring_layer_cache returned.
+            view = layer.take_view()
+            key, value, positions, lengths, sinks = view.keys, view.values, view.positions, view.length, view.sinks
+            k_scale, v_scale = view.k_scale, view.v_scale  # a quantized ring's (None otherwise)
+            if sinks and kv_start is not None and query.shape[2] > 1 and not _compiling() and bool(
+                    (kv_start > 0).any()):
+                raise NotImplementedError(
+                    f"KVCache(sinks={sinks}) does not support left-padded batches (a row's sinks are its first "
+                    f"{sinks} slots, which hold padding there): generate such rows one at a time, or use sinks=0")
     else:
         # Keys that hold a contiguous run of tokens ending at the last query.
         key_len = key.shape[-2]
@@ -171,6 +190,11 @@ def kvcache_attention(
             kv_start, total = attention_mask.view(-1, 2).unbind(1)
             lengths = total.clamp(max=key_len)
             kv_start = (kv_start - (total - lengths)).clamp(min=0)
-    out = _attend_op(query, key, value, lengths, kv_start=kv_start, scale=scaling, window=window,
-                     softcap=float(softcap or 0.0), k_scale=k_scale, v_scale=v_scale)
+    if positions is None:
+        out = _attend_op(query, key, value, lengths, kv_start=kv_start, scale=scaling, window=window,
+                         softcap=float(softcap or 0.0), k_scale=k_scale, v_scale=v_scale)
+    else:
+        out = _attend_op(query, key, value, lengths, kv_start=kv_start, scale=scaling, window=window,
+                         softcap=float(softcap or 0.0), positions=positions, sinks=sinks, k_scale=k_scale,
+                         v_scale=v_scale)
     return out.transpose(1, 2), None

@@ -19,7 +19,9 @@ from ._compat import (
     head_shapes,
     tp_size,
 )
+from .. import ring as _ring
 from .layer import KVCacheLayer, _compiling
+from .ring_layer import KVRingLayer
 
 ATTN_IMPLEMENTATION = "kvcache"
 """The name registered with ``AttentionInterface`` and ``AttentionMaskInterface``."""
@@ -79,23 +81,38 @@ class KVCache(Cache):
             parallelism (``config.distributed_config.tp_size > 1``, set by
             ``from_pretrained(..., tp_plan="auto")``), each rank allocates its
             local ``num_key_value_heads // tp_size`` heads.
-        sliding_layers: ``"kvcache"`` (default): sliding-window layers are
-            linear kvcache buffers read through ``attend``'s window;
-            ``"hf"``: transformers' ``StaticSlidingWindowLayer`` (holds only
-            ``min(window, max_cache_len)`` slots).
+        sliding_layers: ``"ring"`` (default): each sliding-window layer is
+            a ring (:class:`KVRingLayer`) of ``sinks + window + max_step - 1``
+            slots, read by position (exact for prompts of any length, croppable
+            up to ``max_step`` tokens after any number of wraps);
+            ``"linear"`` (also its old name ``"kvcache"``): linear
+            ``max_cache_len`` buffers read through ``attend``'s window;
+            ``"hf"``: transformers' ``StaticSlidingWindowLayer``.
+        max_step: R, >= 1 (rings only): the most tokens one forward may add
+            inside a ring (longer chunks, such as prompts, are attended
+            exactly through a temporary) and the deepest ``crop``/rollback
+            below the furthest position written. Default 64
+            (:data:`kvcache.ring.DEFAULT_MAX_STEP`, docs/hf.md): above
+            assisted generation's draft lengths, (R - 1) / window extra
+            memory (12% of a 512 window, 1.5% of 4096).
+        sinks: Attention sinks for the sliding layers (rings only): the first
+            ``sinks`` positions of a row stay visible to every query
+            (StreamingLLM); default 0. Left-padded batches are refused with it.
         kv_dtype: ``None`` (keys/values in the model's dtype), ``"int8"``
             or ``"fp8"`` (also ``torch.int8`` / ``torch.float8_e4m3fn``): a
             quantized cache, about a quarter of fp32's bytes (README
             "Quantized caches"); needs ``attn_implementation="kvcache"``,
             which dequantizes in registers (any other is refused at the first
-            update, before anything is written).
+            update, before anything is written). Rings are quantized too
+            (per-slot scales move with their slots).
 
     Raises:
         TypeError: ``max_cache_len`` or ``batch_size`` not an int, ``dtype``
             not a ``torch.dtype``, ``kv_dtype`` not one of its spellings.
         ValueError: ``max_cache_len`` not in ``[1, 2**31)``, ``batch_size``
-            < 1, an unknown ``sliding_layers``, KV heads that do not split
-            across the tensor-parallel ranks (allocated up front only).
+            < 1, an unknown ``sliding_layers``, ``max_step`` < 1, ``sinks`` <
+            0, ``sinks`` > 0 without rings, KV heads that do not split across
+            the tensor-parallel ranks (allocated up front only).
         NotImplementedError: The config has a layer type kvcache cannot
             serve (chunked or indexed attention, KV sharing between layers,
             keys/values of different head sizes); the message names it.
@@ -109,7 +126,9 @@ class KVCache(Cache):
         batch_size: Optional[int] = None,
         dtype: Optional[torch.dtype] = None,
         device: Optional[Union[str, torch.device]] = None,
-        sliding_layers: str = "kvcache",
+        sliding_layers: str = "ring",
+        max_step: int = _ring.DEFAULT_MAX_STEP,
+        sinks: int = 0,
         kv_dtype=None,
     ):
         max_cache_len = _api._as_int("max_cache_len", max_cache_len)
@@ -121,8 +140,19 @@ class KVCache(Cache):
                 raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
-        if sliding_layers not in ("kvcache", "hf"):
-            raise ValueError(f"sliding_layers must be 'kvcache' or 'hf', got {sliding_layers!r}")
+        if sliding_layers not in ("ring", "linear", "kvcache", "hf"):
+            raise ValueError(f"sliding_layers must be 'ring', 'linear' or 'hf', got {sliding_layers!r}")
+        if sliding_layers == "kvcache":  # the linear layers' name before rings
+            sliding_layers = "linear"
+        max_step = _api._as_int("max_step", max_step)
+        if max_step < 1:
+            raise ValueError(f"max_step must be >= 1, got {max_step}")
+        sinks = _api._as_int("sinks", sinks)
+        if sinks < 0:
+            raise ValueError(f"sinks must be >= 0, got {sinks}")
+        if sinks and sliding_layers != "ring":
+            raise ValueError(f"sinks={sinks} needs sliding_layers='ring', got sliding_layers={sliding_layers!r}")
+        self.sliding_layers, self.max_step, self.sinks = sliding_layers, max_step, sinks
         dev = torch.device(device) if device is not None else None
         self.kv_dtype = _api._kv_dtype(kv_dtype)
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -151,7 +181,13 @@ class KVCache(Cache):
             elif t == "sliding_attention":
                 if w is None or w < 1:
                     raise ValueError(f"layer {i} is a sliding_attention layer without a sliding_window in the config")
-                if sliding_layers == "kvcache":
+                if sliding_layers == "ring":
+                    if sinks + int(w) + max_step - 1 >= 2**31:
+                        raise ValueError(f"sinks + sliding_window + max_step - 1 = {sinks + int(w) + max_step - 1} "
+                                         "slots: a ring holds fewer than 2**31 (int32 positions)")
+                    layers.append(KVRingLayer(max_cache_len, int(w), i, sinks=sinks, max_step=max_step,
+                                              kv_dtype=self.kv_dtype))
+                elif sliding_layers == "linear":
                     layers.append(KVCacheLayer(max_cache_len, int(w), i, kv_dtype=self.kv_dtype))
                 else:
                     layers.append(StaticSlidingWindowLayer(max_cache_len=max_cache_len, sliding_window=int(w)))
@@ -214,7 +250,18 @@ class KVCache(Cache):
                     f"Load the model with attn_implementation='{ATTN_IMPLEMENTATION}' (or call "
                     f"model.set_attn_implementation('{ATTN_IMPLEMENTATION}')) to read only the filled slots.",
                     stacklevel=3)
-        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        layer = self.layers[layer_idx]
+        if isinstance(layer, KVRingLayer):
+            # Another attention reads through transformers' masks: give it the ring's positions
+            # laid out linearly (a temporary of max_cache_len slots, O(capacity) like StaticCache).
+            linear = getattr(self.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION
+            if linear and layer.sinks:
+                raise ValueError(
+                    f"KVCache(sinks={layer.sinks}) is read by attn_implementation='{ATTN_IMPLEMENTATION}' only "
+                    f"(transformers' masks have no sinks), got {self.config._attn_implementation!r} (nothing was "
+                    "written)")
+            return layer.update(key_states, value_states, *args, linear_view=linear, **kwargs)
+        return layer.update(key_states, value_states, *args, **kwargs)
 
     def rollback(self, n) -> None:
         """Drops the last ``n[b]`` tokens of each row (int, 0-D or ``(batch,)`` device tensor), every kvcache layer.
@@ -223,9 +270,34 @@ class KVCache(Cache):
         accepts its own number of draft tokens); transformers' ``crop`` takes
         one amount for every row.
         """
+        self._check_rings(lambda la: n if isinstance(n, torch.Tensor) else _api._as_int("n", n))
         for layer in self.layers:
             if isinstance(layer, KVCacheLayer):
                 layer.rollback(n)
+
+    def crop(self, tokens_to_remove) -> None:
+        """Drops tokens from every layer (transformers' ``crop``: ``-n`` removes the last ``n``, ``m >= 0``
+        keeps the first ``m``); every ring checks the depth before any layer changes.
+
+        Raises:
+            ValueError: A row holds fewer tokens, or a ring would go more than
+                ``max_step`` below the furthest position written (eager).
+        """
+        self._check_rings(lambda la: la.crop_amount(tokens_to_remove))
+        super().crop(tokens_to_remove)
+
+    def _check_rings(self, amount) -> None:
+        # Rings refuse a rollback deeper than max_step: ask every ring before any layer changes.
+        if _compiling():
+            return
+        for layer in self.layers:
+            if isinstance(layer, KVRingLayer) and layer.is_initialized:
+                n = amount(layer)
+                if n is None:
+                    continue
+                if not isinstance(n, torch.Tensor):
+                    n = torch.tensor(n, dtype=torch.int64)
+                layer.check_depth(n.to(device=layer.lengths.device, dtype=torch.int64))
 
     def reset_rows(self, rows: torch.Tensor) -> None:
         """Empties the given rows of every kvcache layer in O(1) (continuous batching).
@@ -242,7 +314,10 @@ class KVCache(Cache):
         new = [_api.reset_rows_kv_layer_cache(_api.KVLayerCache(la.keys, la.values, la.lengths.clone()), rows).length
                for la in layers]
         for layer, lengths in zip(layers, new):
-            layer.lengths.copy_(lengths)
+            if isinstance(layer, KVRingLayer):
+                layer.reset_rows(rows)  # also empties the rows' positions
+            else:
+                layer.lengths.copy_(lengths)
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         """Slots per row of ``layer_idx`` (the name transformers used before 5.16 for :meth:`get_max_length`)."""
