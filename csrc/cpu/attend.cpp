@@ -7,9 +7,10 @@
 // loops exist twice, for the baseline ISA and for AVX2/FMA/F16C (chosen at
 // run time: the build passes no -march flag), see attend_vec.h.
 //
-// Threads: a call goes parallel only when its estimated work is well above
-// the cost of waking a thread (kParallelWork); a decode step over a short
-// cache runs on the calling thread. The helpers come from ATen's inter-op
+// Threads: a call goes parallel only when its estimated work is above the
+// cost of waking a thread (AttendCpuTuning::parallel_work, measured with
+// benchmarks/bench_attend.py --cases crossover); a decode step over a
+// short cache runs on the calling thread. The helpers come from ATen's inter-op
 // pool and join when they get a core, so the caller never waits for a
 // thread that is not running (an OpenMP region does, which costs
 // milliseconds on a loaded machine; see helpers.h). All threads take
@@ -25,9 +26,13 @@
 #include <exception>
 #include <limits>
 #include <memory>
+#include <stdexcept>
+#include <string>
 #include <numeric>
 #include <thread>
 #include <vector>
+
+#include "kvcache/attend_cpu.h"
 
 #include "../core/visibility.h"
 #include "../ops/attend.h"
@@ -64,14 +69,41 @@ namespace {
 // key/value block from L1 many times, few enough to keep the scores,
 // outputs and queries of the task in L2.
 constexpr int64_t kTileRows = 64;
-// Estimated work (see work_of) above which a call uses helper threads:
-// about 0.2 ms of single-thread work on an AVX2 core, against tens of
-// microseconds to wake a helper.
-constexpr double kParallelWork = 8e5;
-// A split of a row's slots is at least this long (a multiple of kBlock).
-constexpr int64_t kMinSplit = 8 * kBlock;
+// Default estimated work (see work_of) above which a call uses helper
+// threads: 2e5 units, about 50 us of single-thread AVX2 work, where a
+// helper's wake-up costs about 10-20 us on an idle core; a batch-1 decode
+// with 32/8 heads, head_dim 128 goes parallel from about 128 (fp32) or 192
+// (bf16) filled slots. Measured (bench_attend.py --cases crossover) on a
+// 2-vCPU Zen3 shared with other work (load 5): parallel paid only from
+// ~1024 filled (~1.6e6 units), and at 256 filled cost 1.1-1.3x serial; a
+// quiet machine could not be measured here. Where cores are oversubscribed,
+// raise it with KVCACHE_ATTEND_PARALLEL_WORK.
+constexpr double kDefaultParallelWork = 2e5;
+// Default fewest slots in a split of a row: two blocks; the merge of a
+// split costs about one block's output update.
+constexpr int64_t kDefaultMinSplit = 2 * kBlock;
 // Tasks per thread the splitting aims for (load balance).
 constexpr int64_t kTasksPerThread = 4;
+
+double env_double(const char* name, double fallback) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return fallback;
+  char* end = nullptr;
+  const double v = std::strtod(env, &end);
+  return (end != nullptr && *end == '\0' && v >= 0.0) ? v : fallback;
+}
+
+// The settings (kvcache/attend_cpu.h): read by every call, replaced only by
+// set_attend_cpu_tuning (benchmarks, tests).
+std::atomic<double>& parallel_work_setting() {
+  static std::atomic<double> v{env_double("KVCACHE_ATTEND_PARALLEL_WORK", kDefaultParallelWork)};
+  return v;
+}
+std::atomic<int64_t>& min_split_setting() {
+  static std::atomic<int64_t> v{std::max<int64_t>(
+      1, static_cast<int64_t>(env_double("KVCACHE_ATTEND_MIN_SPLIT", double(kDefaultMinSplit))))};
+  return v;
+}
 
 bool use_avx2() {
 #if KVCACHE_ATTEND_X86
@@ -241,7 +273,8 @@ void attend_typed(const AttendParams& p) {
   }
 
   const int64_t threads = at::get_num_threads();
-  const bool parallel = threads > 1 && total > kParallelWork && !at::in_parallel_region();
+  const bool parallel = threads > 1 && total > parallel_work_setting().load() &&
+                        !at::in_parallel_region();
 
   // Split long rows when there are too few tasks to keep the threads busy
   // (decode of a small batch): one part per kBlock-aligned range.
@@ -255,8 +288,9 @@ void attend_typed(const AttendParams& p) {
     if (static_cast<int64_t>(tasks.size()) < want) {
       int64_t slots_total = 0;
       for (const Task& t : tasks) slots_total += t.j1 - t.j0;
+      const int64_t min_split = (min_split_setting().load() + kBlock - 1) / kBlock * kBlock;
       const int64_t target = std::max<int64_t>(
-          kMinSplit, (slots_total / want + kBlock - 1) / kBlock * kBlock);
+          min_split, (slots_total / want + kBlock - 1) / kBlock * kBlock);
       std::vector<Task> split_tasks;
       std::vector<double> split_work;
       int64_t parts_total = 0;
@@ -290,7 +324,7 @@ void attend_typed(const AttendParams& p) {
     }
   }
 
-  if (!parallel) {
+  if (!parallel || tasks.size() < 2) {
     Scratch scratch(plan);
     for (const Task& t : tasks) task_fn(plan, t, scratch);
   } else {
@@ -336,6 +370,24 @@ void attend_cpu_kernel(const AttendParams& p) {
 
 }  // namespace
 }  // namespace attend_cpu
+
+AttendCpuTuning attend_cpu_tuning() {
+  return {attend_cpu::parallel_work_setting().load(), attend_cpu::min_split_setting().load()};
+}
+
+void set_attend_cpu_tuning(const AttendCpuTuning& tuning) {
+  if (!(tuning.parallel_work >= 0.0)) {
+    throw std::invalid_argument("set_attend_cpu_tuning: parallel_work must be >= 0");
+  }
+  if (tuning.min_split < 1) {
+    throw std::invalid_argument("set_attend_cpu_tuning: min_split must be >= 1");
+  }
+  attend_cpu::parallel_work_setting().store(tuning.parallel_work);
+  attend_cpu::min_split_setting().store(tuning.min_split);
+}
+
+std::string attend_cpu_isa() { return attend_cpu::use_avx2() ? "avx2" : "generic"; }
+
 }  // namespace kvcache
 
 KVCACHE_REGISTER_KERNEL(attend_stub, cpu, &kvcache::attend_cpu::attend_cpu_kernel);

@@ -276,6 +276,65 @@ def test_long_rows_split_across_threads(threads, dtype):
         torch.set_num_threads(saved)
 
 
+@pytest.fixture
+def forced_split():
+    """Helper threads and splits at any size: parallel_work 0, splits of one block (64 slots), 2 threads."""
+    saved_tuning = kvcache._C.attend_cpu_tuning()
+    saved_threads = torch.get_num_threads()
+    kvcache._C.set_attend_cpu_tuning(parallel_work=0.0, min_split=1)
+    torch.set_num_threads(2)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved_threads)
+        kvcache._C.set_attend_cpu_tuning(**saved_tuning)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_split_k_decode_at_small_sizes(forced_split, dtype):
+    """Batch-1 decode over a few hundred slots split into 64-slot parts and merged (max, sum, acc)."""
+    check(1, 8, 1, 1, 128, 300, [256], dtype)  # one KV head: 4 parts
+    check(1, 8, 2, 1, 64, 300, [300], dtype, kv_start=[70])  # a part before kv_start sees nothing
+    check(1, 4, 1, 1, 128, 400, [390], dtype, window=100)  # parts outside the window
+    check(1, 4, 1, 1, 20, 260, [200], dtype, softcap=5.0)  # head_dim 20: packed keys/values
+    check(2, 8, 2, 1, 128, 500, [129, 500], dtype, kv_start=[0, 3])  # ragged rows, uneven parts
+
+
+def test_split_k_parts_that_see_nothing_and_tiny_rows(forced_split):
+    check(1, 8, 1, 1, 64, 300, [300], kv_start=[299])  # every part but the last sees nothing
+    check(1, 8, 1, 1, 64, 300, [300], kv_start=[300])  # no part sees anything: zeros
+    check(1, 8, 1, 1, 64, 300, [1])
+    check(1, 8, 8, 1, 64, 64, [5])  # parallel, nothing to split
+
+
+def test_split_k_softmax_scale_is_merged_exactly(forced_split):
+    """Parts with very different maxima (one huge score): the merge rescales by 2^(m_s - M)."""
+    q = torch.randn(1, 4, 1, 64)
+    keys = torch.randn(1, 1, 256, 64).float()
+    values = torch.randn(1, 1, 256, 64).float()
+    keys[0, 0, 200] = q[0, 0, 0] * 8  # part 3 of 4 holds a dominant key for head 0
+    lengths = torch.tensor([256], dtype=torch.int32)
+    out = ATTEND(q, keys, values, lengths)
+    assert_close(out, reference(q, keys, values, lengths), torch.float32)
+
+
+def test_parallel_prefill_and_chunks_forced(forced_split):
+    check(1, 8, 2, 4, 128, 300, [300])  # seq 4: tiles, no split
+    check(2, 8, 2, 33, 64, 200, [200, 40], kv_start=[0, 5], window=30)
+
+
+def test_attend_cpu_tuning_rejects_bad_values():
+    saved = kvcache._C.attend_cpu_tuning()
+    with pytest.raises(ValueError, match="parallel_work"):
+        kvcache._C.set_attend_cpu_tuning(parallel_work=-1.0)
+    with pytest.raises(ValueError, match="parallel_work"):
+        kvcache._C.set_attend_cpu_tuning(parallel_work=float("nan"))
+    with pytest.raises(ValueError, match="min_split"):
+        kvcache._C.set_attend_cpu_tuning(min_split=0)
+    assert kvcache._C.attend_cpu_tuning() == saved
+    assert kvcache._C.attend_cpu_isa() in ("avx512", "avx2", "generic")
+
+
 def test_ragged_batch_parallel_prefill():
     saved = torch.get_num_threads()
     torch.set_num_threads(2)
