@@ -137,11 +137,36 @@ void visible(const AttendParams& p, int64_t b, int64_t i, int64_t& lo, int64_t& 
 // Rings: whether each query of row b finds every position the rule asks
 // for (visible_count) among the row's slots. One that does not (the ring
 // lost a position it needs: a rollback or a chunk beyond the ring's bound)
-// gets NaN rather than a silently different answer. O(max_len log max_len)
-// per row: the counts come from the row's sorted positions.
+// gets NaN rather than a silently different answer. O(seq x max_len) per
+// row for a few queries, else O(max_len log max_len) from the row's sorted
+// positions.
 std::vector<char> ring_missing(const AttendParams& p) {
   std::vector<char> bad(static_cast<size_t>(p.batch * p.seq), 0);
   std::vector<int64_t> sorted;
+  // A few queries (decode, speculative verification): count each query's
+  // visible positions in one pass over the row's slots (O(seq x max_len),
+  // no sort; positions are unique, so the count is the same).
+  constexpr int64_t kDirectCount = 8;
+  if (p.seq <= kDirectCount) {
+    for (int64_t b = 0; b < p.batch; ++b) {
+      const int32_t* pos = p.positions + b * p.pos_stride[0];
+      const int64_t first = p.host_kv_start ? p.host_kv_start[b] : 0;
+      const int64_t len = p.host_lengths[b];
+      int64_t have[kDirectCount] = {};
+      for (int64_t j = 0; j < p.max_len; ++j) {
+        const int64_t q = pos[j * p.pos_stride[1]];
+        if (q < 0) continue;
+        for (int64_t i = 0; i < p.seq; ++i) {
+          have[i] += detail::sees(q, len - p.seq + i, first, p.window, p.sinks) ? 1 : 0;
+        }
+      }
+      for (int64_t i = 0; i < p.seq; ++i) {
+        bad[b * p.seq + i] =
+            have[i] != detail::visible_count(len - p.seq + i, first, p.window, p.sinks);
+      }
+    }
+    return bad;
+  }
   for (int64_t b = 0; b < p.batch; ++b) {
     sorted.clear();
     const int32_t* pos = p.positions + b * p.pos_stride[0];

@@ -368,10 +368,11 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
 }
 
 // A task over a ring (AttendParams::positions): the slots of [j0, j1) that
-// some query of the tile sees (tile_sees) are gathered in slot order, and
-// their keys and values widened to float32 block by block (pack_rows), so
-// empty or stale slots are never read, not even with weight 0 (0 * NaN is
-// NaN). Each query then masks the gathered slots it does not see (sees).
+// some query of the tile sees (tile_sees) are selected in slot order and
+// processed by blocks of kBlock selected slots: a block of consecutive
+// slots is read in place, any other is gathered and widened to float32
+// (pack_rows). Empty or stale slots are never read, not even with weight 0
+// (0 * NaN is NaN). Each query then masks the gathered slots it does not see (sees).
 // The order of the work depends only on which slots are visible, so a ring
 // that reached the same visible content by another route (a rollback after
 // a wrap) gives bit-identical results.
@@ -411,13 +412,41 @@ void run_task_ring(const Plan& plan, const Task& t, Scratch& sc) {
   const T* vbase = static_cast<const T*>(p.v) + t.b * p.v_stride[0] + t.kvh * p.v_stride[1];
   float* const kb = sc.kb.data();
   float* const vb = sc.vb.data();
+  // A block of gathered slots that are consecutive slots (a ring's visible
+  // slots are at most two runs plus the sinks, so all blocks but two or
+  // three) is read in place like a linear block; the others are gathered.
+  // In-place and gathered reads widen to the same floats and run the same
+  // loops (fast_k implies dim == dim_pad), so the result does not depend on
+  // which blocks were consecutive.
+  auto run_of = [&](int64_t c0, int64_t n) {
+    return sc.sel[c0 + n - 1] - sc.sel[c0] == n - 1;
+  };
   for (int64_t c0 = 0; c0 < n_sel; c0 += kBlock) {
     const int64_t n = std::min(kBlock, n_sel - c0);
     const int64_t n8 = (n + 7) / 8 * 8;
-    for (int64_t j = 0; j < n; ++j) {
-      pack_rows(kbase + sc.sel[c0 + j] * p.k_stride[2], 0, p.k_stride[3], 1, D, Dp, kb + j * Dp);
+    const bool run = run_of(c0, n);
+    if (run && plan.fast_k) {
+      Ahead ahead;
+      const int64_t c_next = c0 + n;
+      if (c_next < n_sel && plan.fast_v) {
+        const int64_t n_next = std::min(kBlock, n_sel - c_next);
+        if (run_of(c_next, n_next)) {
+          ahead.k = reinterpret_cast<const char*>(kbase + sc.sel[c_next] * p.k_stride[2]);
+          ahead.v = reinterpret_cast<const char*>(vbase + sc.sel[c_next] * p.v_stride[2]);
+          ahead.ldk = p.k_stride[2] * int64_t(sizeof(T));
+          ahead.ldv = p.v_stride[2] * int64_t(sizeof(T));
+          ahead.row_bytes = D * int64_t(sizeof(T));
+          ahead.rows = n_next;
+        }
+      }
+      qk_block(Q, Dp, kbase + sc.sel[c0] * p.k_stride[2], p.k_stride[2], D, rows, n, S, kBlock,
+               &ahead);
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        pack_rows(kbase + sc.sel[c0 + j] * p.k_stride[2], 0, p.k_stride[3], 1, D, Dp, kb + j * Dp);
+      }
+      qk_block(Q, Dp, static_cast<const float*>(kb), Dp, Dp, rows, n, S, kBlock, nullptr);
     }
-    qk_block(Q, Dp, static_cast<const float*>(kb), Dp, Dp, rows, n, S, kBlock, nullptr);
     for (int64_t ti = 0; ti < nt; ++ti) {
       const int64_t qp = p_lo + ti;
       int64_t count = 0;
@@ -433,10 +462,15 @@ void run_task_ring(const Plan& plan, const Task& t, Scratch& sc) {
                     vis + ti * kBlock);
       }
     }
-    for (int64_t j = 0; j < n; ++j) {
-      pack_rows(vbase + sc.sel[c0 + j] * p.v_stride[2], 0, p.v_stride[3], 1, D, Dp, vb + j * Dp);
+    if (run && plan.fast_v) {
+      pv_block(S, kBlock, vbase + sc.sel[c0] * p.v_stride[2], p.v_stride[2], n, O, Dp, alpha,
+               rows, D);
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        pack_rows(vbase + sc.sel[c0 + j] * p.v_stride[2], 0, p.v_stride[3], 1, D, Dp, vb + j * Dp);
+      }
+      pv_block(S, kBlock, static_cast<const float*>(vb), Dp, n, O, Dp, alpha, rows, Dp);
     }
-    pv_block(S, kBlock, static_cast<const float*>(vb), Dp, n, O, Dp, alpha, rows, Dp);
   }
 
   if (t.part >= 0) {  // a split of the row: keep the unnormalized state
