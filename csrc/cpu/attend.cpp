@@ -4,8 +4,9 @@
 // positions, range of slots), each an online softmax over the slots its
 // queries see (attend_kernel.h); rows long enough to leave threads idle are
 // split along their slots, and the splits merged at the end. The inner
-// loops exist twice, for the baseline ISA and for AVX2/FMA/F16C (chosen at
-// run time: the build passes no -march flag), see attend_vec.h.
+// loops exist three times, for the baseline ISA, for AVX2/FMA/F16C and for
+// AVX-512 F/BW/VL (chosen at run time: the build passes no -march flag;
+// KVCACHE_ATTEND_ISA caps the choice), see attend_vec.h.
 //
 // Threads: a call goes parallel only when its estimated work is above the
 // cost of waking a thread (AttendCpuTuning::parallel_work, measured with
@@ -61,6 +62,14 @@ using Vec = VecAvx2;
 #include "attend_kernel.h"  // NOLINT(build/include): instantiated per ISA
 }  // namespace isa_avx2
 #pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+namespace isa_avx512 {
+using Vec = VecAvx512;
+#include "attend_kernel.h"  // NOLINT(build/include): instantiated per ISA
+}  // namespace isa_avx512
+#pragma GCC pop_options
 #endif
 
 namespace {
@@ -105,21 +114,45 @@ std::atomic<int64_t>& min_split_setting() {
   return v;
 }
 
-bool use_avx2() {
+enum class Isa { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
+
+// The best path this CPU runs, capped by KVCACHE_ATTEND_ISA (generic, avx2
+// or avx512; read once): tests force each path the machine has. A cap above
+// what the CPU has is the CPU's best.
+Isa isa() {
 #if KVCACHE_ATTEND_X86
-  static const bool ok = [] {
-    // KVCACHE_ATTEND_ISA=generic forces the portable code (tests use it).
-    const char* env = std::getenv("KVCACHE_ATTEND_ISA");
-    if (env != nullptr && std::strcmp(env, "generic") == 0) return false;
+  static const Isa chosen = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
+    Isa best = Isa::kGeneric;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c")) {
+      best = Isa::kAvx2;
+      if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+          __builtin_cpu_supports("avx512vl")) {
+        best = Isa::kAvx512;
+      }
+    }
+    Isa cap = Isa::kAvx512;
+    const char* env = std::getenv("KVCACHE_ATTEND_ISA");
+    if (env != nullptr && std::strcmp(env, "generic") == 0) cap = Isa::kGeneric;
+    if (env != nullptr && std::strcmp(env, "avx2") == 0) cap = Isa::kAvx2;
+    return std::min(best, cap);
   }();
-  return ok;
+  return chosen;
 #else
-  return false;
+  return Isa::kGeneric;
 #endif
 }
+
+const char* isa_name(Isa i) {
+  switch (i) {
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    default: return "generic";
+  }
+}
+
+int isa_lanes(Isa i) { return i == Isa::kAvx512 ? 16 : 8; }
 
 // Visible slots [lo, hi) of the query at position i of row b (lo == hi:
 // none). A ring's queries may see any slot: [0, max_len), read by position.
@@ -252,10 +285,12 @@ void attend_typed(const AttendParams& p) {
   plan.p = &p;
   plan.group = p.num_heads / p.num_kv_heads;
   plan.dim = p.head_dim;
-  plan.dim_pad = (p.head_dim + 7) / 8 * 8;
+  const Isa path = isa();
+  const int64_t lanes = isa_lanes(path);
+  plan.dim_pad = (p.head_dim + lanes - 1) / lanes * lanes;
   plan.tile = std::clamp<int64_t>(kTileRows / plan.group, 1, p.seq);
-  plan.fast_k = p.k_stride[3] == 1 && p.head_dim % 8 == 0;
-  plan.fast_v = p.v_stride[3] == 1 && p.head_dim % 8 == 0;
+  plan.fast_k = p.k_stride[3] == 1 && p.head_dim % lanes == 0;
+  plan.fast_v = p.v_stride[3] == 1 && p.head_dim % lanes == 0;
   plan.ring = p.positions != nullptr;
   if (p.softcap > 0.f) {
     plan.qscale = p.scale / p.softcap;
@@ -265,7 +300,11 @@ void attend_typed(const AttendParams& p) {
   }
   TaskFn task_fn = plan.ring ? &isa_generic::run_task_ring<T> : &isa_generic::run_task<T>;
 #if KVCACHE_ATTEND_X86
-  if (use_avx2()) task_fn = plan.ring ? &isa_avx2::run_task_ring<T> : &isa_avx2::run_task<T>;
+  if (path == Isa::kAvx2) {
+    task_fn = plan.ring ? &isa_avx2::run_task_ring<T> : &isa_avx2::run_task<T>;
+  } else if (path == Isa::kAvx512) {
+    task_fn = plan.ring ? &isa_avx512::run_task_ring<T> : &isa_avx512::run_task<T>;
+  }
 #endif
 
   // Tasks: (row, KV head, tile), each over the slots its queries see.
@@ -411,7 +450,7 @@ void set_attend_cpu_tuning(const AttendCpuTuning& tuning) {
   attend_cpu::min_split_setting().store(tuning.min_split);
 }
 
-std::string attend_cpu_isa() { return attend_cpu::use_avx2() ? "avx2" : "generic"; }
+std::string attend_cpu_isa() { return attend_cpu::isa_name(attend_cpu::isa()); }
 
 }  // namespace kvcache
 

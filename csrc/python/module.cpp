@@ -100,8 +100,9 @@ Returns:
       R"doc(Returns the instruction-set path the CPU attend kernel takes here.
 
 Returns:
-  str: ``"avx2"`` or ``"generic"`` (the portable code; forced with the
-  environment variable ``KVCACHE_ATTEND_ISA=generic``, read once).
+  str: ``"avx512"`` (AVX-512 F/BW/VL), ``"avx2"`` (AVX2/FMA/F16C) or
+  ``"generic"`` (the portable code). The environment variable
+  ``KVCACHE_ATTEND_ISA=generic|avx2|avx512`` (read once) caps the choice.
 )doc");
 
   m.def(

@@ -344,47 +344,66 @@ def test_ragged_batch_parallel_prefill():
         torch.set_num_threads(saved)
 
 
-def _cpu_has_avx2() -> bool:
+def _cpu_flags() -> set:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
+            return set(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
-        return False
-    return {"avx2", "fma", "f16c"} <= set(flags)
+        return set()
 
 
-PORTABLE_SCRIPT = """
+def _cpu_has_avx2() -> bool:
+    return {"avx2", "fma", "f16c"} <= _cpu_flags()
+
+
+# What each forced path needs of the CPU (KVCACHE_ATTEND_ISA caps the kernel's choice).
+ISA_FLAGS = {"generic": set(), "avx2": {"avx2", "fma", "f16c"},
+             "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"}}
+
+ISA_SCRIPT = """
 import sys, torch
 sys.path.insert(0, {here!r})
+import kvcache
 import test_attend as t
+assert kvcache._C.attend_cpu_isa() == {isa!r}, kvcache._C.attend_cpu_isa()
 outs = []
 for dt in (torch.float32, torch.bfloat16, torch.float16):
     outs.append(t.check(2, 8, 2, 7, 64, 150, [150, 40], dt, kv_start=[3, 0], window=100, softcap=5.0)[0])
 outs.append(t.check(2, 4, 2, 3, 20, 90, [90, 5], kv_layout="elem_strided")[0])
+for shape in t.SHAPES:
+    t.check(*shape, torch.bfloat16)
+t.check(1, 4, 1, 1, 72, 100, [77])  # head_dim 72: in place on 8 lanes, padded on 16
+t.check(1, 4, 1, 1, 24, 100, [77], torch.float16)
 torch.set_num_threads(2)
 outs.append(t.check(1, 8, 1, 1, 128, 9000, [8999])[0])
+kvcache._C.set_attend_cpu_tuning(parallel_work=0.0, min_split=1)
+t.check(1, 8, 1, 1, 128, 300, [256], torch.bfloat16)
+import test_attend_ring_runs as rr
+rr.run(1, 8, 2, 4, 128, 200, 4, [1000], torch.float32)
+rr.run(1, 8, 2, 1, 128, 200, 4, [1000], torch.bfloat16)
 torch.save(outs, sys.argv[1])
 """
 
 
-def test_portable_kernel(tmp_path):
-    """The baseline-ISA kernel (KVCACHE_ATTEND_ISA=generic) against the reference."""
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+def test_forced_isa_path(isa, tmp_path):
+    """Each kernel path the CPU has (KVCACHE_ATTEND_ISA=isa), against the float64 reference."""
+    if not ISA_FLAGS[isa] <= _cpu_flags():
+        pytest.skip(f"this CPU lacks {sorted(ISA_FLAGS[isa] - _cpu_flags())}")
     path = tmp_path / "outs.pt"
-    env = dict(os.environ, KVCACHE_ATTEND_ISA="generic")
+    env = dict(os.environ, KVCACHE_ATTEND_ISA=isa)
     proc = subprocess.run(
-        [sys.executable, "-c", PORTABLE_SCRIPT.format(here=HERE), str(path)],
-        env=env, capture_output=True, text=True, timeout=600,
+        [sys.executable, "-c", ISA_SCRIPT.format(here=HERE, isa=isa), str(path)],
+        env=env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    if _cpu_has_avx2():
+    if isa == "generic" and _cpu_has_avx2():
         # The two kernels round differently (separate multiply and add
         # against FMA, other summation orders): the subprocess really ran
         # the other one.
-        here = [
-            check(2, 8, 2, 7, 64, 150, [150, 40], dt, kv_start=[3, 0], window=100, softcap=5.0)[0]
-            for dt in (torch.float32,)
-        ]
-        assert not torch.equal(torch.load(path)[0], here[0])
+        here = check(2, 8, 2, 7, 64, 150, [150, 40], torch.float32, kv_start=[3, 0], window=100,
+                     softcap=5.0)[0]
+        assert not torch.equal(torch.load(path)[0], here)
 
 
 # ------------------------------------------------------------- errors ---

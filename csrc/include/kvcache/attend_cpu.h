@@ -31,7 +31,8 @@ KVCACHE_API AttendCpuTuning attend_cpu_tuning();
 KVCACHE_API void set_attend_cpu_tuning(const AttendCpuTuning& tuning);
 
 /// The instruction-set path the kernel takes on this machine: "avx512",
-/// "avx2" or "generic". KVCACHE_ATTEND_ISA (read once) forces a lower one.
+/// "avx2" or "generic". KVCACHE_ATTEND_ISA=generic|avx2|avx512 (read once)
+/// caps the choice at that path (tests force each path the CPU has).
 KVCACHE_API std::string attend_cpu_isa();
 
 }  // namespace kvcache
