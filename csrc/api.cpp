@@ -60,6 +60,42 @@ void append_(at::Tensor& keys, at::Tensor& values, at::Tensor& lengths,
   op.call(keys, values, lengths, keys_new, values_new);
 }
 
+at::Tensor update_quantized_(at::Tensor& keys, at::Tensor& values,
+                             at::Tensor& k_scale, at::Tensor& v_scale,
+                             const at::Tensor& keys_new,
+                             const at::Tensor& values_new, int64_t start) {
+  static const auto op =
+      typed<at::Tensor(at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,
+                       const at::Tensor&, const at::Tensor&, c10::SymInt)>(
+          "kvcache::update_quantized_", "");
+  return op.call(keys, values, k_scale, v_scale, keys_new, values_new,
+                 c10::SymInt(start));
+}
+
+at::Tensor update_quantized_(at::Tensor& keys, at::Tensor& values,
+                             at::Tensor& k_scale, at::Tensor& v_scale,
+                             const at::Tensor& keys_new,
+                             const at::Tensor& values_new,
+                             const at::Tensor& start) {
+  static const auto op =
+      typed<at::Tensor(at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,
+                       const at::Tensor&, const at::Tensor&,
+                       const at::Tensor&)>("kvcache::update_quantized_",
+                                           "Tensor");
+  return op.call(keys, values, k_scale, v_scale, keys_new, values_new, start);
+}
+
+void append_quantized_(at::Tensor& keys, at::Tensor& values,
+                       at::Tensor& k_scale, at::Tensor& v_scale,
+                       at::Tensor& lengths, const at::Tensor& keys_new,
+                       const at::Tensor& values_new) {
+  static const auto op =
+      typed<void(at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,
+                 at::Tensor&, const at::Tensor&, const at::Tensor&)>(
+          "kvcache::append_quantized_", "");
+  op.call(keys, values, k_scale, v_scale, lengths, keys_new, values_new);
+}
+
 at::Tensor attend(const at::Tensor& q, const at::Tensor& keys,
                   const at::Tensor& values, const at::Tensor& lengths,
                   const AttendOptions& options) {
@@ -67,10 +103,11 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys,
       const at::Tensor&, const at::Tensor&, const at::Tensor&,
       const at::Tensor&, const std::optional<at::Tensor>&,
       std::optional<double>, int64_t, double, const std::optional<at::Tensor>&,
-      int64_t)>("kvcache::attend", "");
+      int64_t, const std::optional<at::Tensor>&,
+      const std::optional<at::Tensor>&)>("kvcache::attend", "");
   return op.call(q, keys, values, lengths, options.kv_start, options.scale,
                  options.window, options.softcap, options.positions,
-                 options.sinks);
+                 options.sinks, options.k_scale, options.v_scale);
 }
 
 at::Tensor rollback(const at::Tensor& lengths, const at::Tensor& n,
@@ -104,12 +141,31 @@ KVLayerCache init_kv_layer_cache(int64_t batch_size, int64_t num_kv_heads,
   return {std::move(keys), std::move(values), std::move(length)};
 }
 
+KVLayerCache init_quantized_kv_layer_cache(int64_t batch_size,
+                                           int64_t num_kv_heads,
+                                           int64_t head_dim, int64_t max_len,
+                                           at::ScalarType kv_dtype,
+                                           c10::Device device) {
+  TORCH_CHECK_TYPE(kv_dtype == at::kChar || kv_dtype == at::kFloat8_e4m3fn,
+                   "kv_dtype must be torch.int8 or torch.float8_e4m3fn, got ",
+                   c10::toString(kv_dtype));
+  KVLayerCache c = init_kv_layer_cache(batch_size, num_kv_heads, head_dim,
+                                       max_len, kv_dtype, device);
+  const auto opts = at::TensorOptions().dtype(at::kFloat).device(device);
+  c.k_scale = at::ones({batch_size, num_kv_heads, max_len}, opts);
+  c.v_scale = at::ones({batch_size, num_kv_heads, max_len}, opts);
+  return c;
+}
+
 KVLayerCache update_kv_layer_cache(const KVLayerCache& cache,
                                    const at::Tensor& keys_new,
                                    const at::Tensor& values_new,
                                    int64_t start) {
   KVLayerCache out = cache;  // shares the buffers: the update is in place
-  out.length = update_(out.keys, out.values, keys_new, values_new, start);
+  out.length = out.quantized()
+                   ? update_quantized_(out.keys, out.values, out.k_scale,
+                                       out.v_scale, keys_new, values_new, start)
+                   : update_(out.keys, out.values, keys_new, values_new, start);
   return out;
 }
 
@@ -118,7 +174,10 @@ KVLayerCache update_kv_layer_cache(const KVLayerCache& cache,
                                    const at::Tensor& values_new,
                                    const at::Tensor& start) {
   KVLayerCache out = cache;
-  out.length = update_(out.keys, out.values, keys_new, values_new, start);
+  out.length = out.quantized()
+                   ? update_quantized_(out.keys, out.values, out.k_scale,
+                                       out.v_scale, keys_new, values_new, start)
+                   : update_(out.keys, out.values, keys_new, values_new, start);
   return out;
 }
 
@@ -126,7 +185,12 @@ KVLayerCache append_kv_layer_cache(const KVLayerCache& cache,
                                    const at::Tensor& keys_new,
                                    const at::Tensor& values_new) {
   KVLayerCache c = cache;  // the same tensors: written in place
-  append_(c.keys, c.values, c.length, keys_new, values_new);
+  if (c.quantized()) {
+    append_quantized_(c.keys, c.values, c.k_scale, c.v_scale, c.length,
+                      keys_new, values_new);
+  } else {
+    append_(c.keys, c.values, c.length, keys_new, values_new);
+  }
   return cache;
 }
 
@@ -158,6 +222,14 @@ KVLayerCache select_rows_kv_layer_cache(const KVLayerCache& cache,
                                         const at::Tensor& index) {
   check_length_writable(cache.length);
   KVLayerCache c = cache;
+  if (c.quantized()) {
+    // The scales are (batch, heads, max_len) buffers indexed like the
+    // slots: moved as (..., max_len, 1) caches by the same operator (the
+    // same checks: a call that fails raises before either writes).
+    at::Tensor ks = c.k_scale.unsqueeze(-1);
+    at::Tensor vs = c.v_scale.unsqueeze(-1);
+    select_rows_(ks, vs, c.length, index);
+  }
   c.length.copy_(select_rows_(c.keys, c.values, c.length, index));
   return cache;
 }
@@ -172,7 +244,13 @@ KVLayerCache reset_rows_kv_layer_cache(const KVLayerCache& cache,
 
 at::Tensor attend(const at::Tensor& q, const KVLayerCache& cache,
                   const AttendOptions& options) {
-  return attend(q, cache.keys, cache.values, cache.length, options);
+  if (!cache.quantized()) {
+    return attend(q, cache.keys, cache.values, cache.length, options);
+  }
+  AttendOptions o = options;
+  o.k_scale = cache.k_scale;
+  o.v_scale = cache.v_scale;
+  return attend(q, cache.keys, cache.values, cache.length, o);
 }
 
 std::vector<KVLayerCache> init_decoder_kv_caches(

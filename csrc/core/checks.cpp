@@ -175,5 +175,26 @@ void check_cache(const at::Tensor& keys, const at::Tensor& values) {
                     "own buffer (or disjoint slices of one)");
 }
 
+KvFormat format_of(at::ScalarType t) {
+  return t == at::kChar            ? KvFormat::kInt8
+         : t == at::kFloat8_e4m3fn ? KvFormat::kFp8
+                                   : KvFormat::kPlain;
+}
+
+void check_scale_tensor(const at::Tensor& t, const char* name,
+                        const at::Tensor& keys) {
+  check_dense(t, name);
+  check_rank(t, 3, name, "(batch, num_kv_heads, max_len)");
+  TORCH_CHECK_VALUE(holds(t.sym_size(0).sym_eq(keys.sym_size(0))) &&
+                        holds(t.sym_size(1).sym_eq(keys.sym_size(1))) &&
+                        holds(t.sym_size(2).sym_eq(keys.sym_size(2))),
+                    name, " must have shape (batch=", shown(keys.sym_size(0)),
+                    ", num_kv_heads=", shown(keys.sym_size(1)), ", max_len=",
+                    shown(keys.sym_size(2)), ") to match the cache, got ",
+                    shape_str(t));
+  check_dtype(t, at::kFloat, name, "the scale dtype");
+  check_device(t, keys.device(), name, "the cache's device");
+}
+
 }  // namespace detail
 }  // namespace kvcache

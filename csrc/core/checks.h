@@ -20,6 +20,8 @@
 #include <optional>
 #include <string>
 
+#include "quant.h"
+
 namespace kvcache {
 namespace detail {
 
@@ -92,6 +94,15 @@ int64_t row_value(const at::Tensor& t, int64_t b);
 // same shape, dtype and device, max_len <= kMaxLen, and no byte shared by
 // two elements or by keys and values.
 void check_cache(const at::Tensor& keys, const at::Tensor& values);
+
+// The quantized format of a cache dtype: int8 and float8_e4m3fn are the
+// quantized caches (core/quant.h); any other dtype is kPlain.
+KvFormat format_of(at::ScalarType t);
+
+// A quantized cache's scale tensor (k_scale / v_scale): dense float32
+// (batch, num_kv_heads, max_len) matching `keys`, on its device.
+void check_scale_tensor(const at::Tensor& t, const char* name,
+                        const at::Tensor& keys);
 
 // The largest cache capacity: lengths are int32.
 constexpr int64_t kMaxLen = INT32_MAX;

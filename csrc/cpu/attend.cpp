@@ -31,6 +31,7 @@
 #include <string>
 #include <numeric>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "kvcache/attend_cpu.h"
@@ -279,7 +280,7 @@ void merge_parts(const Plan& plan, int64_t b, int64_t kvh, int64_t first_part, i
   }
 }
 
-template <typename T>
+template <typename T, typename TKV = T>
 void attend_typed(const AttendParams& p) {
   Plan plan;
   plan.p = &p;
@@ -298,12 +299,12 @@ void attend_typed(const AttendParams& p) {
   } else {
     plan.qscale = p.scale * kLog2e;
   }
-  TaskFn task_fn = plan.ring ? &isa_generic::run_task_ring<T> : &isa_generic::run_task<T>;
+  TaskFn task_fn = plan.ring ? &isa_generic::run_task_ring<T, TKV> : &isa_generic::run_task<T, TKV>;
 #if KVCACHE_ATTEND_X86
   if (path == Isa::kAvx2) {
-    task_fn = plan.ring ? &isa_avx2::run_task_ring<T> : &isa_avx2::run_task<T>;
+    task_fn = plan.ring ? &isa_avx2::run_task_ring<T, TKV> : &isa_avx2::run_task<T, TKV>;
   } else if (path == Isa::kAvx512) {
-    task_fn = plan.ring ? &isa_avx512::run_task_ring<T> : &isa_avx512::run_task<T>;
+    task_fn = plan.ring ? &isa_avx512::run_task_ring<T, TKV> : &isa_avx512::run_task<T, TKV>;
   }
 #endif
 
@@ -320,7 +321,7 @@ void attend_typed(const AttendParams& p) {
       visible(p, b, i0, lo0, hi0);
       visible(p, b, i1 - 1, lo1, hi1);
       const int64_t slots = std::max<int64_t>(0, hi1 - std::min(lo0, lo1));
-      const double w = work_of(plan, plan.group * (i1 - i0), slots, sizeof(T));
+      const double w = work_of(plan, plan.group * (i1 - i0), slots, sizeof(TKV));
       for (int64_t kvh = 0; kvh < p.num_kv_heads; ++kvh) {
         Task t;
         t.b = b;
@@ -424,11 +425,21 @@ void attend_typed(const AttendParams& p) {
   }
 }
 
+// The cache's element type: q's dtype, or a quantized format.
+template <typename T>
+void attend_format(const AttendParams& p) {
+  switch (p.kv_format) {
+    case detail::KvFormat::kPlain: return attend_typed<T>(p);
+    case detail::KvFormat::kInt8: return attend_typed<T, int8_t>(p);
+    case detail::KvFormat::kFp8: return attend_typed<T, c10::Float8_e4m3fn>(p);
+  }
+}
+
 void attend_cpu_kernel(const AttendParams& p) {
   switch (p.dtype) {
-    case detail::AttnDtype::kFloat32: return attend_typed<float>(p);
-    case detail::AttnDtype::kBFloat16: return attend_typed<c10::BFloat16>(p);
-    case detail::AttnDtype::kFloat16: return attend_typed<c10::Half>(p);
+    case detail::AttnDtype::kFloat32: return attend_format<float>(p);
+    case detail::AttnDtype::kBFloat16: return attend_format<c10::BFloat16>(p);
+    case detail::AttnDtype::kFloat16: return attend_format<c10::Half>(p);
   }
 }
 

@@ -240,6 +240,19 @@ inline void softmax_row(float* s, int64_t a, int64_t e, int64_t n8, float cap,
   m = m_new;
 }
 
+// Multiplies columns [0, n) of rows [ra, rb) of S by the slot scales at
+// `scale` (element stride `stride`): a quantized cache's key scales on the
+// scores, its value scales on the probabilities (after the row sums).
+inline void scale_columns(float* S, int64_t ra, int64_t rb, int64_t n,
+                          const float* scale, int64_t stride) {
+  float col[kBlock];
+  for (int64_t c = 0; c < n; ++c) col[c] = scale[c * stride];
+  for (int64_t r = ra; r < rb; ++r) {
+    float* row = S + r * kBlock;
+    for (int64_t c = 0; c < n; ++c) row[c] *= col[c];
+  }
+}
+
 // A task's start, for linear and ring tasks alike: its queries (the G heads
 // of KV head t.kvh at positions [t.i0, t.i1)) scaled into sc.q, and the
 // online-softmax state (output, running max, running sum) reset.
@@ -262,8 +275,13 @@ inline void start_task(const Plan& plan, const Task& t, Scratch& sc) {
   std::fill(sc.l.data(), sc.l.data() + rows, 0.f);
 }
 
-template <typename T>
+// T: the queries' and output's dtype; TKV: the cache's (T, or int8_t /
+// Float8_e4m3fn for a quantized cache, whose scales p.k_scale / p.v_scale
+// are applied per slot).
+template <typename T, typename TKV = T>
 void run_task(const Plan& plan, const Task& t, Scratch& sc) {
+  constexpr bool kQuantized =
+      std::is_same_v<TKV, int8_t> || std::is_same_v<TKV, c10::Float8_e4m3fn>;
   const AttendParams& p = *plan.p;
   const int64_t G = plan.group, D = plan.dim, Dp = plan.dim_pad;
   const int64_t nt = t.i1 - t.i0;
@@ -298,12 +316,18 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
 
   start_task<T>(plan, t, sc);
 
-  const T* kbase = static_cast<const T*>(p.k) + t.b * p.k_stride[0] + t.kvh * p.k_stride[1];
-  const T* vbase = static_cast<const T*>(p.v) + t.b * p.v_stride[0] + t.kvh * p.v_stride[1];
+  const TKV* kbase = static_cast<const TKV*>(p.k) + t.b * p.k_stride[0] + t.kvh * p.k_stride[1];
+  const TKV* vbase = static_cast<const TKV*>(p.v) + t.b * p.v_stride[0] + t.kvh * p.v_stride[1];
+  const float* kscale = nullptr;
+  const float* vscale = nullptr;
+  if constexpr (kQuantized) {
+    kscale = p.k_scale + t.b * p.ks_stride[0] + t.kvh * p.ks_stride[1];
+    vscale = p.v_scale + t.b * p.vs_stride[0] + t.kvh * p.vs_stride[1];
+  }
   if (plan.fast_v && task_lo < task_hi) {  // the first block's values, read after its scores
     prefetch_rows(reinterpret_cast<const char*>(vbase + task_lo * p.v_stride[2]),
-                  p.v_stride[2] * int64_t(sizeof(T)), 0, std::min(kBlock, task_hi - task_lo),
-                  D * int64_t(sizeof(T)));
+                  p.v_stride[2] * int64_t(sizeof(TKV)), 0, std::min(kBlock, task_hi - task_lo),
+                  D * int64_t(sizeof(TKV)));
   }
   for (int64_t c0 = task_lo; c0 < task_hi; c0 += kBlock) {
     const int64_t cend = std::min(c0 + kBlock, task_hi);
@@ -329,9 +353,9 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
     if (cend < task_hi && plan.fast_k && plan.fast_v) {
       ahead.k = reinterpret_cast<const char*>(kbase + cend * p.k_stride[2]);
       ahead.v = reinterpret_cast<const char*>(vbase + cend * p.v_stride[2]);
-      ahead.ldk = p.k_stride[2] * int64_t(sizeof(T));
-      ahead.ldv = p.v_stride[2] * int64_t(sizeof(T));
-      ahead.row_bytes = D * int64_t(sizeof(T));
+      ahead.ldk = p.k_stride[2] * int64_t(sizeof(TKV));
+      ahead.ldv = p.v_stride[2] * int64_t(sizeof(TKV));
+      ahead.row_bytes = D * int64_t(sizeof(TKV));
       ahead.rows = std::min(kBlock, task_hi - cend);
     }
     if (plan.fast_k) {
@@ -342,12 +366,14 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
       qk_block(Q + ra * Dp, Dp, static_cast<const float*>(sc.kb.data()), Dp, Dp, rb - ra, n,
                S + ra * kBlock, kBlock, nullptr);
     }
+    if constexpr (kQuantized) scale_columns(S, ra, rb, n, kscale + c0 * p.ks_stride[2], p.ks_stride[2]);
     for (int64_t r = ra; r < rb; ++r) {
       const int64_t ti = r / G;
       const int64_t a = std::clamp(lo[ti], c0, c1) - c0;
       const int64_t e = std::clamp(hi[ti], c0, c1) - c0;
       softmax_row(S + r * kBlock, a, e, n8, plan.cap, m[r], l[r], alpha[r]);
     }
+    if constexpr (kQuantized) scale_columns(S, ra, rb, n, vscale + c0 * p.vs_stride[2], p.vs_stride[2]);
     if (plan.fast_v) {
       pv_block(S + ra * kBlock, kBlock, vbase + c0 * p.v_stride[2], p.v_stride[2], n,
                O + ra * Dp, Dp, alpha + ra, rb - ra, D);
@@ -386,9 +412,13 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
 // (0 * NaN is NaN). Each query then masks the gathered slots it does not see (sees).
 // The order of the work depends only on which slots are visible, so a ring
 // that reached the same visible content by another route (a rollback after
-// a wrap) gives bit-identical results.
-template <typename T>
+// a wrap) gives bit-identical results. A quantized ring (TKV int8_t or
+// Float8_e4m3fn) is dequantized row by row into the same block scratch: the
+// slot's scale multiplies its widened row, so scratch stays one block.
+template <typename T, typename TKV = T>
 void run_task_ring(const Plan& plan, const Task& t, Scratch& sc) {
+  constexpr bool kQuantized =
+      std::is_same_v<TKV, int8_t> || std::is_same_v<TKV, c10::Float8_e4m3fn>;
   const AttendParams& p = *plan.p;
   const int64_t G = plan.group, D = plan.dim, Dp = plan.dim_pad;
   const int64_t nt = t.i1 - t.i0;
@@ -419,16 +449,26 @@ void run_task_ring(const Plan& plan, const Task& t, Scratch& sc) {
   start_task<T>(plan, t, sc);
   std::fill(seen, seen + nt, int64_t{0});
 
-  const T* kbase = static_cast<const T*>(p.k) + t.b * p.k_stride[0] + t.kvh * p.k_stride[1];
-  const T* vbase = static_cast<const T*>(p.v) + t.b * p.v_stride[0] + t.kvh * p.v_stride[1];
+  const TKV* kbase = static_cast<const TKV*>(p.k) + t.b * p.k_stride[0] + t.kvh * p.k_stride[1];
+  const TKV* vbase = static_cast<const TKV*>(p.v) + t.b * p.v_stride[0] + t.kvh * p.v_stride[1];
+  const float* kscale = nullptr;
+  const float* vscale = nullptr;
+  if constexpr (kQuantized) {
+    kscale = p.k_scale + t.b * p.ks_stride[0] + t.kvh * p.ks_stride[1];
+    vscale = p.v_scale + t.b * p.vs_stride[0] + t.kvh * p.vs_stride[1];
+  }
   float* const kb = sc.kb.data();
   float* const vb = sc.vb.data();
   // A block of gathered slots that are consecutive slots (a ring's visible
   // slots are at most two runs plus the sinks, so all blocks but two or
   // three) is read in place like a linear block; the others are gathered.
   // In-place and gathered reads widen to the same floats and run the same
-  // loops (fast_k implies dim == dim_pad), so the result does not depend on
-  // which blocks were consecutive.
+  // loops (fast_k implies dim == dim_pad), so for a float cache the result
+  // does not depend on which blocks were consecutive. A quantized run takes
+  // its scales on the scores and weights (as run_task), a gathered block on
+  // the widened rows: the same values up to rounding. Which blocks are runs
+  // depends only on which slots are visible (a position has one slot), so a
+  // rollback after a wrap stays bit-identical.
   auto run_of = [&](int64_t c0, int64_t n) {
     return sc.sel[c0 + n - 1] - sc.sel[c0] == n - 1;
   };
@@ -444,17 +484,25 @@ void run_task_ring(const Plan& plan, const Task& t, Scratch& sc) {
         if (run_of(c_next, n_next)) {
           ahead.k = reinterpret_cast<const char*>(kbase + sc.sel[c_next] * p.k_stride[2]);
           ahead.v = reinterpret_cast<const char*>(vbase + sc.sel[c_next] * p.v_stride[2]);
-          ahead.ldk = p.k_stride[2] * int64_t(sizeof(T));
-          ahead.ldv = p.v_stride[2] * int64_t(sizeof(T));
-          ahead.row_bytes = D * int64_t(sizeof(T));
+          ahead.ldk = p.k_stride[2] * int64_t(sizeof(TKV));
+          ahead.ldv = p.v_stride[2] * int64_t(sizeof(TKV));
+          ahead.row_bytes = D * int64_t(sizeof(TKV));
           ahead.rows = n_next;
         }
       }
       qk_block(Q, Dp, kbase + sc.sel[c0] * p.k_stride[2], p.k_stride[2], D, rows, n, S, kBlock,
                &ahead);
+      // A quantized run: the key scales on the scores, as in run_task.
+      if constexpr (kQuantized) {
+        scale_columns(S, 0, rows, n, kscale + sc.sel[c0] * p.ks_stride[2], p.ks_stride[2]);
+      }
     } else {
       for (int64_t j = 0; j < n; ++j) {
         pack_rows(kbase + sc.sel[c0 + j] * p.k_stride[2], 0, p.k_stride[3], 1, D, Dp, kb + j * Dp);
+        if constexpr (kQuantized) {
+          const float f = kscale[sc.sel[c0 + j] * p.ks_stride[2]];
+          for (int64_t d = 0; d < D; ++d) kb[j * Dp + d] *= f;
+        }
       }
       qk_block(Q, Dp, static_cast<const float*>(kb), Dp, Dp, rows, n, S, kBlock, nullptr);
     }
@@ -474,11 +522,19 @@ void run_task_ring(const Plan& plan, const Task& t, Scratch& sc) {
       }
     }
     if (run && plan.fast_v) {
+      // A quantized run: the value scales on the weights (after the sums).
+      if constexpr (kQuantized) {
+        scale_columns(S, 0, rows, n, vscale + sc.sel[c0] * p.vs_stride[2], p.vs_stride[2]);
+      }
       pv_block(S, kBlock, vbase + sc.sel[c0] * p.v_stride[2], p.v_stride[2], n, O, Dp, alpha,
                rows, D);
     } else {
       for (int64_t j = 0; j < n; ++j) {
         pack_rows(vbase + sc.sel[c0 + j] * p.v_stride[2], 0, p.v_stride[3], 1, D, Dp, vb + j * Dp);
+        if constexpr (kQuantized) {
+          const float f = vscale[sc.sel[c0 + j] * p.vs_stride[2]];
+          for (int64_t d = 0; d < D; ++d) vb[j * Dp + d] *= f;
+        }
       }
       pv_block(S, kBlock, static_cast<const float*>(vb), Dp, n, O, Dp, alpha, rows, Dp);
     }

@@ -11,20 +11,25 @@
 //
 // Every flavour has the same members:
 //   kLanes (floats per V), kAcc (accumulators a register tile may use),
-//   V zero(), set1(float), load(const float*|BFloat16*|Half*) (widening to
-//   float32), store(float*, V), add, sub, mul, fma(a, b, c) = a * b + c, max,
+//   V zero(), set1(float), load(const float*|BFloat16*|Half*|int8_t*|
+//   Float8_e4m3fn*) (widening to float32; int8 and e4m3 are the quantized
+//   caches' elements, exact in float32), store(float*, V), add, sub, mul,
+//   fma(a, b, c) = a * b + c, max,
 //   reduce_add, reduce_max, hsum8(const V[8], float*) (out[k] = sum of the
 //   lanes of in[k]), exp2 (exact 0 below 2^-126, so a -inf score gives an
 //   exact 0 weight; NaN propagates), tanh.
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+
+#include "../core/quant.h"
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #define KVCACHE_ATTEND_X86 1
@@ -68,6 +73,16 @@ struct VecGeneric {
   static inline V load(const c10::Half* p) {
     V r;
     for (int i = 0; i < 8; ++i) r[i] = static_cast<float>(p[i]);
+    return r;
+  }
+  static inline V load(const int8_t* p) {
+    V r;
+    for (int i = 0; i < 8; ++i) r[i] = static_cast<float>(p[i]);
+    return r;
+  }
+  static inline V load(const c10::Float8_e4m3fn* p) {
+    V r;
+    for (int i = 0; i < 8; ++i) r[i] = detail::from_e4m3_bits(p[i].x);
     return r;
   }
   static inline void store(float* p, V a) { std::memcpy(p, &a, sizeof(a)); }
@@ -150,6 +165,19 @@ struct VecAvx2 {
   }
   static inline V load(const c10::Half* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static inline V load(const int8_t* p) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  }
+  // e4m3fn -> float16 bits by moving the 7 exponent/mantissa bits under
+  // float16's (same mantissa top, exponent bias 15 instead of 7: the value
+  // times 2^-8, subnormals included), F16C to float32, times 2^8: exact.
+  static inline V load(const c10::Float8_e4m3fn* p) {
+    const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m128i mag = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7);
+    const __m128i sgn = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8);
+    return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(mag, sgn)), _mm256_set1_ps(256.f));
   }
   static inline void store(float* p, V a) { _mm256_storeu_ps(p, a); }
   // Keeps a loaded vector in a register: GCC otherwise folds the load into
@@ -249,6 +277,17 @@ struct VecAvx512 {
   }
   static inline V load(const c10::Half* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static inline V load(const int8_t* p) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+  }
+  // As VecAvx2's e4m3fn load, sixteen at a time.
+  static inline V load(const c10::Float8_e4m3fn* p) {
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i mag = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7);
+    const __m256i sgn = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
+    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(mag, sgn)), _mm512_set1_ps(256.f));
   }
   static inline void store(float* p, V a) { _mm512_storeu_ps(p, a); }
   static inline void pin(V& a) { asm("" : "+v"(a)); }

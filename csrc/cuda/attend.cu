@@ -38,12 +38,14 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "../core/rules.h"
 #include "../core/visibility.h"
@@ -89,7 +91,16 @@ struct AttnArgs {
   float* part_ml;   // splits > 1: (split, row) -> (max, sum)
   float* part_acc;  // splits > 1: (split, row, head_dim)
   int64_t total_rows;  // batch * num_heads * seq
+  // A quantized cache (int8 / e4m3 keys and values): per-slot scales, the
+  // key scale multiplying a score, the value scale a probability.
+  const float* k_scale;
+  const float* v_scale;
+  int64_t kss[3], vss[3];  // element strides (batch, KV head, slot)
 };
+
+template <typename TKV>
+constexpr bool kQuantizedKV =
+    std::is_same_v<TKV, int8_t> || std::is_same_v<TKV, c10::Float8_e4m3fn>;
 
 template <typename T>
 __device__ __forceinline__ float to_float(T x) {
@@ -169,7 +180,8 @@ __device__ __forceinline__ void row_place(const AttnArgs& a, int64_t kvh,
   *h = kvh * a.group + (row - *i * a.group);
 }
 
-template <typename T, int R>
+// T: q's and the output's dtype; TKV: the cache's (T, or a quantized format).
+template <typename T, typename TKV, int R>
 __global__ void __launch_bounds__(kThreads)
     attend_kernel(const AttnArgs a) {
   extern __shared__ float4 smem4[];  // 16-byte aligned
@@ -271,8 +283,14 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t s0 = range_s[0];
   const int64_t s1 = range_s[1];
 
-  const T* kp = static_cast<const T*>(a.k) + b * a.ks[0] + kvh * a.ks[1];
-  const T* vp = static_cast<const T*>(a.v) + b * a.vs[0] + kvh * a.vs[1];
+  const TKV* kp = static_cast<const TKV*>(a.k) + b * a.ks[0] + kvh * a.ks[1];
+  const TKV* vp = static_cast<const TKV*>(a.v) + b * a.vs[0] + kvh * a.vs[1];
+  const float* ksp = nullptr;
+  const float* vsp = nullptr;
+  if constexpr (kQuantizedKV<TKV>) {
+    ksp = a.k_scale + b * a.kss[0] + kvh * a.kss[1];
+    vsp = a.v_scale + b * a.vss[0] + kvh * a.vss[1];
+  }
   const int P = a.parts;
   const int jl = tid / P;  // this thread's slot in a tile (N * P = kThreads)
   const int part = tid - jl * P;
@@ -303,6 +321,10 @@ __global__ void __launch_bounds__(kThreads)
     }
     if (part == 0) {
       const int64_t j = j0 + jl;
+      float qscale = a.scale;
+      if constexpr (kQuantizedKV<TKV>) {
+        if (jl < n) qscale *= ksp[j * a.kss[2]];  // the slot's key scale
+      }
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         float s = -INFINITY;
@@ -312,7 +334,7 @@ __global__ void __launch_bounds__(kThreads)
                               rb.first, a.window, a.sinks);
         }
         if (seen) {
-          s = dot[r] * a.scale;
+          s = dot[r] * qscale;
           if (a.softcap > 0.f) s = a.softcap * tanhf(s / a.softcap);
         }
         p_s[r * N + jl] = s;
@@ -333,7 +355,13 @@ __global__ void __launch_bounds__(kThreads)
       for (int c = lane; c < N; c += 32) {
         const float s = p_s[r * N + c];
         const float e = s == -INFINITY ? 0.f : expf(s - m_new);
-        p_s[r * N + c] = e;
+        // A quantized cache's value scale joins the probability after the
+        // row sum (only visible slots, e != 0, are read).
+        float pv = e;
+        if constexpr (kQuantizedKV<TKV>) {
+          if (e != 0.f) pv = e * vsp[(j0 + c) * a.vss[2]];
+        }
+        p_s[r * N + c] = pv;
         sum += e;
       }
       for (int off = 16; off > 0; off /= 2) {
@@ -526,10 +554,10 @@ int64_t smem_bytes(int R, int N, int64_t D, int P) {
   return 4 * (N * pitch + 2 * R * D + R * N);
 }
 
-template <typename T, int R>
+template <typename T, typename TKV, int R>
 void launch_rows(const AttnArgs& a, int64_t smem, dim3 grid,
                  cudaStream_t stream) {
-  auto kernel = attend_kernel<T, R>;
+  auto kernel = attend_kernel<T, TKV, R>;
   // Dynamic + static shared memory above the default 48 KiB needs the
   // opt-in (the static part is under 1 KiB).
   if (smem + kStaticSmemBytes > 48 * 1024) {
@@ -541,22 +569,35 @@ void launch_rows(const AttnArgs& a, int64_t smem, dim3 grid,
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename T>
+template <typename T, typename TKV = T>
 void attend_typed(const AttendParams& p, AttnArgs a, int R, int64_t smem,
                   cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.batch * p.num_kv_heads * a.row_tiles),
                   static_cast<unsigned>(a.splits));
   switch (R) {
-    case 1: launch_rows<T, 1>(a, smem, grid, stream); break;
-    case 2: launch_rows<T, 2>(a, smem, grid, stream); break;
-    case 4: launch_rows<T, 4>(a, smem, grid, stream); break;
-    case 8: launch_rows<T, 8>(a, smem, grid, stream); break;
-    default: launch_rows<T, 16>(a, smem, grid, stream); break;
+    case 1: launch_rows<T, TKV, 1>(a, smem, grid, stream); break;
+    case 2: launch_rows<T, TKV, 2>(a, smem, grid, stream); break;
+    case 4: launch_rows<T, TKV, 4>(a, smem, grid, stream); break;
+    case 8: launch_rows<T, TKV, 8>(a, smem, grid, stream); break;
+    default: launch_rows<T, TKV, 16>(a, smem, grid, stream); break;
   }
   if (a.splits > 1) {
     attend_combine_kernel<T><<<static_cast<unsigned>(a.total_rows),
                                kCombineThreads, 0, stream>>>(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+// The cache's element type: q's dtype, or a quantized format.
+template <typename T>
+void attend_format(const AttendParams& p, const AttnArgs& a, int R,
+                   int64_t smem, cudaStream_t stream) {
+  switch (p.kv_format) {
+    case detail::KvFormat::kPlain: return attend_typed<T>(p, a, R, smem, stream);
+    case detail::KvFormat::kInt8:
+      return attend_typed<T, int8_t>(p, a, R, smem, stream);
+    case detail::KvFormat::kFp8:
+      return attend_typed<T, c10::Float8_e4m3fn>(p, a, R, smem, stream);
   }
 }
 
@@ -595,7 +636,14 @@ void attend_cuda(const AttendParams& p) {
   a.rows_per_kv = a.group * a.seq;
   a.total_rows = p.batch * p.num_heads * p.seq;
 
-  const int64_t elem = p.dtype == detail::AttnDtype::kFloat32 ? 4 : 2;
+  const int64_t elem = p.kv_format != detail::KvFormat::kPlain ? 1
+                       : p.dtype == detail::AttnDtype::kFloat32 ? 4 : 2;
+  a.k_scale = p.k_scale;
+  a.v_scale = p.v_scale;
+  for (int k = 0; k < 3; ++k) {
+    a.kss[k] = p.ks_stride[k];
+    a.vss[k] = p.vs_stride[k];
+  }
   const int64_t D = p.head_dim;
   // Shared memory: prefer R rows (the whole group when it fits), then the
   // widest slot tile that fits the device's limit.
@@ -663,13 +711,13 @@ void attend_cuda(const AttendParams& p) {
 
   switch (p.dtype) {
     case detail::AttnDtype::kFloat32:
-      attend_typed<float>(p, a, R, smem, stream);
+      attend_format<float>(p, a, R, smem, stream);
       break;
     case detail::AttnDtype::kBFloat16:
-      attend_typed<c10::BFloat16>(p, a, R, smem, stream);
+      attend_format<c10::BFloat16>(p, a, R, smem, stream);
       break;
     case detail::AttnDtype::kFloat16:
-      attend_typed<c10::Half>(p, a, R, smem, stream);
+      attend_format<c10::Half>(p, a, R, smem, stream);
       break;
   }
 }

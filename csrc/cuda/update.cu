@@ -26,6 +26,10 @@
 #include <cstdint>
 #include <limits>
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include "../core/quant.h"
 #include "../core/rules.h"
 #include "../ops/update.h"
 #include "copy.cuh"
@@ -154,7 +158,155 @@ void update_cuda(const UpdateParams& p) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// ---- The quantized writes (update_quantized_*, append_quantized_) --------
+//
+// Same positions and failure rule as above (validate_starts_kernel for
+// device starts, then one write kernel that reads its row's checked end).
+// The write: one warp per (buffer, batch, head, slot): lanes read the
+// slot's head_dim elements, a shuffle reduction gives the absmax, then each
+// lane writes its quantized elements and lane 0 the scale (core/quant.h).
+constexpr int kQuantWarps = 8;
+
+struct QuantArgs {
+  const char* src[2];
+  int64_t src_stride[2][4];  // bytes
+  char* dst[2];
+  int64_t dst_stride[2][4];  // bytes
+  float* scale[2];
+  int64_t scale_stride[2][3];  // elements
+  unsigned slabs, heads;
+  int64_t chunk, head_dim, max_len;
+  bool device_starts;
+  int64_t host_start;
+  IntRows lengths_out;
+  bool write;
+};
+
+template <typename T, detail::KvFormat F>
+__global__ void quant_update_kernel(const QuantArgs a) {
+  if (!a.device_starts && blockIdx.x == 0 && blockIdx.y == 0 &&
+      threadIdx.x == 0) {
+    detail::write_row(a.lengths_out, 0, a.host_start + a.chunk);
+  }
+  if (!a.write) return;
+  const unsigned slab = blockIdx.x;
+  const unsigned which = slab >= a.slabs ? 1u : 0u;
+  const unsigned bh = slab - which * a.slabs;
+  const unsigned b = bh / a.heads;
+  const unsigned h = bh - b * a.heads;
+  int64_t start = a.host_start;
+  if (a.device_starts) {
+    const int64_t end = detail::read_row(a.lengths_out, b);
+    if (end < a.chunk || end > a.max_len) return;  // a bad row: write nothing
+    start = end - a.chunk;
+  }
+  const char* src = which ? a.src[1] : a.src[0];
+  char* dst = which ? a.dst[1] : a.dst[0];
+  float* scale = which ? a.scale[1] : a.scale[0];
+  int64_t ss[4], ds[4], cs[3];
+  for (int k = 0; k < 4; ++k) {
+    ss[k] = which ? a.src_stride[1][k] : a.src_stride[0][k];
+    ds[k] = which ? a.dst_stride[1][k] : a.dst_stride[0][k];
+  }
+  for (int k = 0; k < 3; ++k) cs[k] = which ? a.scale_stride[1][k] : a.scale_stride[0][k];
+  src += b * ss[0] + h * ss[1];
+  dst += b * ds[0] + h * ds[1] + start * ds[2];
+  scale += b * cs[0] + h * cs[1] + start * cs[2];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  for (int64_t t = static_cast<int64_t>(blockIdx.y) * kQuantWarps + warp;
+       t < a.chunk; t += static_cast<int64_t>(gridDim.y) * kQuantWarps) {
+    const char* row = src + t * ss[2];
+    float m = 0.f;
+    for (int64_t d = lane; d < a.head_dim; d += 32) {
+      m = detail::absmax_step(m, static_cast<float>(*reinterpret_cast<const T*>(row + d * ss[3])));
+    }
+    for (int off = 16; off > 0; off /= 2) {
+      m = detail::absmax_step(m, __shfl_xor_sync(0xffffffffu, m, off));
+    }
+    const float sc = detail::slot_scale(m, F);
+    char* out = dst + t * ds[2];
+    for (int64_t d = lane; d < a.head_dim; d += 32) {
+      const float y = detail::scaled_clamped(
+          static_cast<float>(*reinterpret_cast<const T*>(row + d * ss[3])), sc, F);
+      *reinterpret_cast<uint8_t*>(out + d * ds[3]) =
+          F == detail::KvFormat::kInt8 ? static_cast<uint8_t>(detail::to_int8(y))
+                                       : detail::to_e4m3_bits(y);
+    }
+    if (lane == 0) scale[t * cs[2]] = sc;
+  }
+}
+
+template <typename T, detail::KvFormat F>
+void launch_quant(const QuantArgs& a, dim3 grid, cudaStream_t stream) {
+  quant_update_kernel<T, F><<<grid, kQuantWarps * 32, 0, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <detail::KvFormat F>
+void launch_quant_format(const detail::QuantUpdateParams& q, const QuantArgs& a,
+                         dim3 grid, cudaStream_t stream) {
+  switch (q.src_dtype) {
+    case detail::FloatDtype::kFloat32: return launch_quant<float, F>(a, grid, stream);
+    case detail::FloatDtype::kBFloat16: return launch_quant<c10::BFloat16, F>(a, grid, stream);
+    case detail::FloatDtype::kFloat16: return launch_quant<c10::Half, F>(a, grid, stream);
+  }
+}
+
+void quant_update_cuda(const detail::QuantUpdateParams& q) {
+  const UpdateParams& p = q.base;
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(p.device_index));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const bool device_starts = p.starts.data != nullptr;
+  const int64_t slabs = p.batch * p.num_kv_heads;
+  const bool write = slabs > 0 && p.chunk > 0 && p.head_dim > 0 &&
+                     p.chunk <= p.max_len;
+  QuantArgs a{};
+  for (int w = 0; w < 2; ++w) {
+    a.src[w] = p.src[w].data;
+    a.dst[w] = p.dst[w].data;
+    a.scale[w] = q.scale[w];
+    for (int k = 0; k < 4; ++k) {
+      a.src_stride[w][k] = p.src[w].stride[k];
+      a.dst_stride[w][k] = p.dst[w].stride[k];
+    }
+    for (int k = 0; k < 3; ++k) a.scale_stride[w][k] = q.scale_stride[w][k];
+  }
+  a.slabs = 0;
+  a.heads = 1;
+  a.chunk = p.chunk;
+  a.head_dim = p.head_dim;
+  a.max_len = p.max_len;
+  a.device_starts = device_starts;
+  a.host_start = p.start;
+  a.lengths_out = p.lengths_out;
+  a.write = write;
+  dim3 grid(1, 1);
+  if (write) {
+    cuda::check_copy_slabs(slabs);  // before any launch: nothing written
+    a.slabs = static_cast<unsigned>(slabs);
+    a.heads = static_cast<unsigned>(p.num_kv_heads);
+    const int64_t tiles = (p.chunk + kQuantWarps - 1) / kQuantWarps;
+    grid = dim3(static_cast<unsigned>(2 * slabs),
+                static_cast<unsigned>(tiles < 65535 ? tiles : 65535));
+  }
+  if (device_starts) {
+    const int64_t n = p.lengths_out.numel;
+    if (n > 0) {
+      validate_starts_kernel<<<1, cuda::check_threads(n), 0, stream>>>(
+          p.starts, p.lengths_out, n, p.chunk, p.max_len);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    if (!write) return;
+  }
+  if (q.format == detail::KvFormat::kInt8) {
+    launch_quant_format<detail::KvFormat::kInt8>(q, a, grid, stream);
+  } else {
+    launch_quant_format<detail::KvFormat::kFp8>(q, a, grid, stream);
+  }
+}
+
 }  // namespace
 }  // namespace kvcache
 
 KVCACHE_REGISTER_KERNEL(update_stub, cuda, &kvcache::update_cuda);
+KVCACHE_REGISTER_KERNEL(quant_update_stub, cuda, &kvcache::quant_update_cuda);

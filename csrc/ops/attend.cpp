@@ -30,7 +30,9 @@ AttendRows check_attend(const at::Tensor& q, const at::Tensor& keys,
                         std::optional<double> scale, int64_t window,
                         double softcap, bool values_known,
                         const std::optional<at::Tensor>& positions,
-                        int64_t sinks) {
+                        int64_t sinks,
+                        const std::optional<at::Tensor>& k_scale,
+                        const std::optional<at::Tensor>& v_scale) {
   check_dense(q, "q");
   check_dense(keys, "keys");
   check_dense(values, "values");
@@ -63,11 +65,31 @@ AttendRows check_attend(const at::Tensor& q, const at::Tensor& keys,
                    "q must be a torch.float32, torch.bfloat16 or "
                    "torch.float16 tensor, got ",
                    py_dtype(q.scalar_type()));
-  check_dtype(keys, q.scalar_type(), "keys", "the dtype of q");
-  check_dtype(values, q.scalar_type(), "values", "the dtype of q");
   const auto dev = q.device();
+  const KvFormat format = format_of(keys.scalar_type());
+  if (format == KvFormat::kPlain) {
+    check_dtype(keys, q.scalar_type(), "keys", "the dtype of q");
+    check_dtype(values, q.scalar_type(), "values", "the dtype of q");
+    TORCH_CHECK_VALUE(!k_scale.has_value() && !v_scale.has_value(),
+                      "k_scale and v_scale are the scales of a quantized "
+                      "cache (torch.int8 or torch.float8_e4m3fn keys and "
+                      "values), got keys of dtype ",
+                      py_dtype(keys.scalar_type()));
+  } else {
+    // A quantized cache: both buffers in one format, and both scales.
+    check_dtype(values, keys.scalar_type(), "values",
+                "the dtype of keys (one quantized format)");
+    TORCH_CHECK_VALUE(k_scale.has_value() && v_scale.has_value(),
+                      "keys and values are a quantized cache (",
+                      py_dtype(keys.scalar_type()),
+                      "): pass both k_scale and v_scale");
+  }
   check_device(keys, dev, "keys", "the device of q");
   check_device(values, dev, "values", "the device of q");
+  if (format != KvFormat::kPlain) {
+    check_scale_tensor(*k_scale, "k_scale", keys);
+    check_scale_tensor(*v_scale, "v_scale", keys);
+  }
   TORCH_CHECK_VALUE(holds(max_len.sym_le(kMaxLen)), "keys has max_len=",
                     shown(max_len),
                     " positions; lengths are int32, so a cache holds at most ",
@@ -164,10 +186,12 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys,
                   const at::Tensor& values, const at::Tensor& lengths,
                   const std::optional<at::Tensor>& kv_start,
                   std::optional<double> scale, int64_t window, double softcap,
-                  const std::optional<at::Tensor>& positions, int64_t sinks) {
+                  const std::optional<at::Tensor>& positions, int64_t sinks,
+                  const std::optional<at::Tensor>& k_scale,
+                  const std::optional<at::Tensor>& v_scale) {
   const auto rows = detail::check_attend(q, keys, values, lengths, kv_start,
                                          scale, window, softcap, true,
-                                         positions, sinks);
+                                         positions, sinks, k_scale, v_scale);
   // (batch, seq, heads, head_dim) memory: the caller's transpose(1, 2) and
   // reshape to (batch, seq, heads * head_dim) is then a free view.
   at::Tensor out =
@@ -206,6 +230,15 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys,
   p.host_lengths = rows.lengths.empty() ? nullptr : rows.lengths.data();
   p.host_kv_start = rows.kv_start.empty() ? nullptr : rows.kv_start.data();
   p.device_index = q.device().index();
+  p.kv_format = detail::format_of(keys.scalar_type());
+  if (p.kv_format != detail::KvFormat::kPlain) {
+    p.k_scale = k_scale->const_data_ptr<float>();
+    p.v_scale = v_scale->const_data_ptr<float>();
+    for (int k = 0; k < 3; ++k) {
+      p.ks_stride[k] = k_scale->stride(k);
+      p.vs_stride[k] = v_scale->stride(k);
+    }
+  }
   if (out.numel() > 0) {
     detail::attend_stub.get(q.device().type(), "attend")(p);
   }

@@ -24,6 +24,7 @@
 #include "../core/device_stub.h"
 #include "kvcache/export.h"
 #include "../core/params.h"
+#include "../core/quant.h"
 
 namespace kvcache {
 namespace detail {
@@ -63,6 +64,15 @@ struct AttendParams {
   const int64_t* host_kv_start = nullptr;  // nullptr: 0
   // The tensors' device index (CUDA: the device the kernels run on).
   int device_index = -1;
+  // A quantized cache (kv_format != kPlain): k and v hold int8 or e4m3fn
+  // elements, dequantized in registers with one float32 scale per
+  // (row, KV head, slot); element strides of the (batch, kv_heads, max_len)
+  // scale tensors.
+  KvFormat kv_format = KvFormat::kPlain;
+  const float* k_scale = nullptr;
+  int64_t ks_stride[3] = {};
+  const float* v_scale = nullptr;
+  int64_t vs_stride[3] = {};
 };
 
 using AttendFn = void (*)(const AttendParams&);
@@ -81,7 +91,9 @@ KVCACHE_API AttendRows check_attend(const at::Tensor& q, const at::Tensor& keys,
                         std::optional<double> scale, int64_t window,
                         double softcap, bool values_known,
                         const std::optional<at::Tensor>& positions = std::nullopt,
-                        int64_t sinks = 0);
+                        int64_t sinks = 0,
+                        const std::optional<at::Tensor>& k_scale = std::nullopt,
+                        const std::optional<at::Tensor>& v_scale = std::nullopt);
 
 
 // The checks with the schema's arguments, as a fake kernel runs them.
@@ -92,9 +104,11 @@ inline void trace_check_attend(const at::Tensor& q, const at::Tensor& keys,
                                std::optional<double> scale, int64_t window,
                                double softcap,
                                const std::optional<at::Tensor>& positions,
-                               int64_t sinks) {
+                               int64_t sinks,
+                               const std::optional<at::Tensor>& k_scale,
+                               const std::optional<at::Tensor>& v_scale) {
   check_attend(q, keys, values, lengths, kv_start, scale, window, softcap,
-               false, positions, sinks);
+               false, positions, sinks, k_scale, v_scale);
 }
 
 }  // namespace detail
@@ -106,7 +120,9 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys,
                   const at::Tensor& values, const at::Tensor& lengths,
                   const std::optional<at::Tensor>& kv_start,
                   std::optional<double> scale, int64_t window, double softcap,
-                  const std::optional<at::Tensor>& positions, int64_t sinks);
+                  const std::optional<at::Tensor>& positions, int64_t sinks,
+                  const std::optional<at::Tensor>& k_scale,
+                  const std::optional<at::Tensor>& v_scale);
 
 }  // namespace ops
 }  // namespace kvcache

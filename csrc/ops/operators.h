@@ -32,12 +32,20 @@
 //       fill_.Scalar / fill_.Tensor.
 //   append_  update_.Tensor at start = lengths, lengths advanced by chunk in
 //       place: one call per layer per step on a caller-owned length tensor.
+//   update_quantized_ / update_quantized_.Tensor / append_quantized_  the
+//       three writes for a quantized cache (int8 or float8_e4m3fn keys and
+//       values, formats in core/quant.h): keys_new / values_new (float32,
+//       bfloat16 or float16) are quantized per (row, KV head, slot) and
+//       written with their float32 scales into k_scale / v_scale
+//       (batch, num_kv_heads, max_len), same starts, checks and results.
 //   attend  attention of q (batch, num_heads, seq, head_dim) over the filled
 //       slots: query i of row b sits at slot lengths[b] - seq + i and sees
 //       the slots from kv_start[b] (default 0) up to itself (with window > 0
 //       the last `window` of them); slots outside [kv_start, lengths) are
 //       never read. GQA, scale (default head_dim ** -0.5), softcap; returns
-//       (batch, num_heads, seq, head_dim) in q's dtype.
+//       (batch, num_heads, seq, head_dim) in q's dtype. With k_scale and
+//       v_scale, keys/values are a quantized cache read in place (the key
+//       scale multiplies a score, the value scale a probability).
 //       With positions ((batch, max_len) int32, a ring's record of the
 //       logical position in each slot, -1: empty) the cache is read by
 //       position: query i sits at position lengths[b] - seq + i and sees the
@@ -90,10 +98,24 @@
   X(append_, "append_", Write, update_stub,                                   \
     "append_(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) lengths, "        \
     "Tensor keys_new, Tensor values_new) -> ()")                              \
+  X(update_quantized_, "update_quantized_", Write, quant_update_stub,         \
+    "update_quantized_(Tensor(a!) keys, Tensor(b!) values, "                  \
+    "Tensor(c!) k_scale, Tensor(d!) v_scale, Tensor keys_new, "               \
+    "Tensor values_new, SymInt start) -> Tensor")                             \
+  X(update_quantized_tensor_, "update_quantized_.Tensor", Write,              \
+    quant_update_stub,                                                        \
+    "update_quantized_.Tensor(Tensor(a!) keys, Tensor(b!) values, "           \
+    "Tensor(c!) k_scale, Tensor(d!) v_scale, Tensor keys_new, "               \
+    "Tensor values_new, Tensor start) -> Tensor")                             \
+  X(append_quantized_, "append_quantized_", Write, quant_update_stub,         \
+    "append_quantized_(Tensor(a!) keys, Tensor(b!) values, "                  \
+    "Tensor(c!) k_scale, Tensor(d!) v_scale, Tensor(e!) lengths, "            \
+    "Tensor keys_new, Tensor values_new) -> ()")                              \
   X(attend, "attend", Read, attend_stub,                                      \
     "attend(Tensor q, Tensor keys, Tensor values, Tensor lengths, *, "        \
     "Tensor? kv_start=None, float? scale=None, int window=0, "                \
-    "float softcap=0.0, Tensor? positions=None, int sinks=0) -> Tensor")      \
+    "float softcap=0.0, Tensor? positions=None, int sinks=0, "               \
+    "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor")                  \
   X(rollback, "rollback", Read, rollback_stub,                                \
     "rollback(Tensor lengths, Tensor n, *, Tensor? kv_start=None) -> Tensor") \
   X(select_rows_, "select_rows_", Write, select_rows_stub,                    \

@@ -15,6 +15,7 @@ namespace kvcache {
 namespace detail {
 
 DeviceStub<UpdateFn> update_stub;
+DeviceStub<QuantUpdateFn> quant_update_stub;
 
 namespace {
 
@@ -38,9 +39,43 @@ struct Shape {
   c10::SymInt batch, heads, chunk, head_dim, max_len;
 };
 
+// The scale tensors of a quantized write (nullptr: a plain write).
+struct Scales {
+  const at::Tensor& k;
+  const at::Tensor& v;
+};
+
+bool is_float_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
+void check_scales(const at::Tensor& keys, const at::Tensor& values,
+                  const at::Tensor& keys_new, const at::Tensor& values_new,
+                  const Scales& sc, const Shape& g) {
+  for (const auto& [t, name] :
+       {std::pair<const at::Tensor&, const char*>{sc.k, "k_scale"},
+        {sc.v, "v_scale"}}) {
+    check_writable(t, name);
+    check_scale_tensor(t, name, keys);
+    TORCH_CHECK_VALUE(!self_overlaps(t), name,
+                      " must not have internally overlapping memory (for "
+                      "example an expand()ed tensor)");
+    const Box b = box_of(t);
+    TORCH_CHECK_VALUE(!overlaps(b, box_of(keys)) && !overlaps(b, box_of(values)),
+                      name, " must not share memory with keys or values");
+    TORCH_CHECK_VALUE(
+        !overlaps(b, box_of(keys_new)) && !overlaps(b, box_of(values_new)),
+        "keys_new and values_new must not share memory with ", name);
+  }
+  TORCH_CHECK_VALUE(!overlaps(box_of(sc.k), box_of(sc.v)),
+                    "k_scale and v_scale must not share memory: give each "
+                    "its own buffer");
+}
+
 // Everything about the four tensors that does not depend on the start.
 Shape check_tensors(const at::Tensor& keys, const at::Tensor& values,
-                    const at::Tensor& keys_new, const at::Tensor& values_new) {
+                    const at::Tensor& keys_new, const at::Tensor& values_new,
+                    const Scales* sc = nullptr) {
   check_cache(keys, values);
   check_dense(keys_new, "keys_new");
   check_dense(values_new, "values_new");
@@ -62,14 +97,30 @@ Shape check_tensors(const at::Tensor& keys, const at::Tensor& values,
       "values_new must have the same shape as keys_new ", shape_str(keys_new),
       ", got ", shape_str(values_new));
 
-  // No implicit casts: a cast would hide a model/cache dtype mismatch and
-  // cost an extra pass over the data.
-  check_dtype(keys_new, keys.scalar_type(), "keys_new", "the cache dtype");
-  check_dtype(values_new, keys.scalar_type(), "values_new", "the cache dtype");
+  if (sc == nullptr) {
+    // No implicit casts: a cast would hide a model/cache dtype mismatch and
+    // cost an extra pass over the data.
+    check_dtype(keys_new, keys.scalar_type(), "keys_new", "the cache dtype");
+    check_dtype(values_new, keys.scalar_type(), "values_new", "the cache dtype");
+  } else {
+    TORCH_CHECK_TYPE(format_of(keys.scalar_type()) != KvFormat::kPlain,
+                     "keys must be a torch.int8 or torch.float8_e4m3fn tensor "
+                     "(a quantized cache), got ",
+                     py_dtype(keys.scalar_type()),
+                     " (write a plain cache with update_/append_)");
+    TORCH_CHECK_TYPE(is_float_dtype(keys_new.scalar_type()),
+                     "keys_new must be a torch.float32, torch.bfloat16 or "
+                     "torch.float16 tensor (it is quantized to ",
+                     py_dtype(keys.scalar_type()), "), got ",
+                     py_dtype(keys_new.scalar_type()));
+    check_dtype(values_new, keys_new.scalar_type(), "values_new",
+                "the dtype of keys_new");
+  }
 
   const auto dev = keys.device();
   check_device(keys_new, dev, "keys_new", "the cache's device");
   check_device(values_new, dev, "values_new", "the cache's device");
+  if (sc != nullptr) check_scales(keys, values, keys_new, values_new, *sc, g);
 
   return g;
 }
@@ -165,9 +216,14 @@ void check_start_value(int64_t s, int64_t chunk, int64_t max_len,
 void check_start_meta(const at::Tensor& keys, const at::Tensor& values,
                       const at::Tensor& keys_new, const at::Tensor& values_new,
                       const at::Tensor& rows, const char* name,
-                      const Shape& g) {
+                      const Shape& g, const Scales* sc = nullptr) {
   check_row_ints(rows, name, g.batch, keys.device());
   check_int_rows_apart(rows, name, keys, values);
+  if (sc != nullptr) {
+    const Box b = box_of(rows);
+    TORCH_CHECK_VALUE(!overlaps(b, box_of(sc->k)) && !overlaps(b, box_of(sc->v)),
+                      name, " must not share memory with k_scale or v_scale");
+  }
   Written w;  // kAny: see Written
   check_sources(keys, values, keys_new, values_new, w);
 }
@@ -195,10 +251,12 @@ std::vector<int64_t> check_start_values(const at::Tensor& rows,
 
 }  // namespace
 
-void check_update(const at::Tensor& keys, const at::Tensor& values,
-                  const at::Tensor& keys_new, const at::Tensor& values_new,
-                  const c10::SymInt& start) {
-  const Shape g = check_tensors(keys, values, keys_new, values_new);
+namespace {
+
+void check_update_impl(const at::Tensor& keys, const at::Tensor& values,
+                       const at::Tensor& keys_new, const at::Tensor& values_new,
+                       const c10::SymInt& start, const Scales* sc) {
+  const Shape g = check_tensors(keys, values, keys_new, values_new, sc);
   TORCH_CHECK_VALUE(holds(start.sym_ge(0)), "start must be >= 0, got ",
                     shown(start));
   // Never start + chunk > max_len: that sum overflows for a start near 2^63.
@@ -230,15 +288,50 @@ void check_update(const at::Tensor& keys, const at::Tensor& values,
   check_sources(keys, values, keys_new, values_new, w);
 }
 
+std::vector<int64_t> check_update_tensor_impl(
+    const at::Tensor& keys, const at::Tensor& values,
+    const at::Tensor& keys_new, const at::Tensor& values_new,
+    const at::Tensor& start, bool values_known, const Scales* sc) {
+  const Shape g = check_tensors(keys, values, keys_new, values_new, sc);
+  check_start_meta(keys, values, keys_new, values_new, start, "start", g, sc);
+  return check_start_values(start, "start", g, values_known);
+}
+
+std::vector<int64_t> check_append_impl(const at::Tensor& keys,
+                                       const at::Tensor& values,
+                                       const at::Tensor& lengths,
+                                       const at::Tensor& keys_new,
+                                       const at::Tensor& values_new,
+                                       bool values_known, const Scales* sc) {
+  const Shape g = check_tensors(keys, values, keys_new, values_new, sc);
+  check_written_rows(lengths, "lengths");
+  check_start_meta(keys, values, keys_new, values_new, lengths, "lengths", g,
+                   sc);
+  // lengths is written too: it must not alias what the call reads.
+  const Box lb = box_of(lengths);
+  TORCH_CHECK_VALUE(!overlaps(lb, box_of(keys_new)) &&
+                        !overlaps(lb, box_of(values_new)),
+                    "lengths must not share memory with keys_new or "
+                    "values_new");
+  return check_start_values(lengths, "lengths", g, values_known);
+}
+
+}  // namespace
+
+void check_update(const at::Tensor& keys, const at::Tensor& values,
+                  const at::Tensor& keys_new, const at::Tensor& values_new,
+                  const c10::SymInt& start) {
+  check_update_impl(keys, values, keys_new, values_new, start, nullptr);
+}
+
 std::vector<int64_t> check_update_tensor(const at::Tensor& keys,
                                          const at::Tensor& values,
                                          const at::Tensor& keys_new,
                                          const at::Tensor& values_new,
                                          const at::Tensor& start,
                                          bool values_known) {
-  const Shape g = check_tensors(keys, values, keys_new, values_new);
-  check_start_meta(keys, values, keys_new, values_new, start, "start", g);
-  return check_start_values(start, "start", g, values_known);
+  return check_update_tensor_impl(keys, values, keys_new, values_new, start,
+                                  values_known, nullptr);
 }
 
 std::vector<int64_t> check_append(const at::Tensor& keys,
@@ -247,16 +340,37 @@ std::vector<int64_t> check_append(const at::Tensor& keys,
                                   const at::Tensor& keys_new,
                                   const at::Tensor& values_new,
                                   bool values_known) {
-  const Shape g = check_tensors(keys, values, keys_new, values_new);
-  check_written_rows(lengths, "lengths");
-  check_start_meta(keys, values, keys_new, values_new, lengths, "lengths", g);
-  // lengths is written too: it must not alias what the call reads.
-  const Box lb = box_of(lengths);
-  TORCH_CHECK_VALUE(!overlaps(lb, box_of(keys_new)) &&
-                        !overlaps(lb, box_of(values_new)),
-                    "lengths must not share memory with keys_new or "
-                    "values_new");
-  return check_start_values(lengths, "lengths", g, values_known);
+  return check_append_impl(keys, values, lengths, keys_new, values_new,
+                           values_known, nullptr);
+}
+
+void check_update_quantized(const at::Tensor& keys, const at::Tensor& values,
+                            const at::Tensor& k_scale,
+                            const at::Tensor& v_scale,
+                            const at::Tensor& keys_new,
+                            const at::Tensor& values_new,
+                            const c10::SymInt& start) {
+  const Scales sc{k_scale, v_scale};
+  check_update_impl(keys, values, keys_new, values_new, start, &sc);
+}
+
+std::vector<int64_t> check_update_quantized_tensor(
+    const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k_scale,
+    const at::Tensor& v_scale, const at::Tensor& keys_new,
+    const at::Tensor& values_new, const at::Tensor& start, bool values_known) {
+  const Scales sc{k_scale, v_scale};
+  return check_update_tensor_impl(keys, values, keys_new, values_new, start,
+                                  values_known, &sc);
+}
+
+std::vector<int64_t> check_append_quantized(
+    const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k_scale,
+    const at::Tensor& v_scale, const at::Tensor& lengths,
+    const at::Tensor& keys_new, const at::Tensor& values_new,
+    bool values_known) {
+  const Scales sc{k_scale, v_scale};
+  return check_append_impl(keys, values, lengths, keys_new, values_new,
+                           values_known, &sc);
 }
 
 }  // namespace detail
@@ -322,6 +436,76 @@ void append_(at::Tensor& keys, at::Tensor& values, at::Tensor& lengths,
   p.host_starts = starts.empty() ? nullptr : starts.data();
   p.lengths_out = p.starts;
   detail::update_stub.get(keys.device().type(), "append_")(p);
+}
+
+namespace {
+
+detail::QuantUpdateParams make_quant_params(at::Tensor& keys,
+                                            at::Tensor& values,
+                                            at::Tensor& k_scale,
+                                            at::Tensor& v_scale,
+                                            const at::Tensor& keys_new,
+                                            const at::Tensor& values_new) {
+  detail::QuantUpdateParams q;
+  q.base = make_params(keys, values, keys_new, values_new);
+  q.base.elem = static_cast<int64_t>(keys_new.element_size());  // source elements
+  q.format = detail::format_of(keys.scalar_type());
+  const auto t = keys_new.scalar_type();
+  q.src_dtype = t == at::kFloat      ? detail::FloatDtype::kFloat32
+                : t == at::kBFloat16 ? detail::FloatDtype::kBFloat16
+                                     : detail::FloatDtype::kFloat16;
+  at::Tensor* sc[2] = {&k_scale, &v_scale};
+  for (int w = 0; w < 2; ++w) {
+    q.scale[w] = sc[w]->mutable_data_ptr<float>();
+    for (int k = 0; k < 3; ++k) q.scale_stride[w][k] = sc[w]->stride(k);
+  }
+  return q;
+}
+
+}  // namespace
+
+at::Tensor update_quantized_(at::Tensor& keys, at::Tensor& values,
+                             at::Tensor& k_scale, at::Tensor& v_scale,
+                             const at::Tensor& keys_new,
+                             const at::Tensor& values_new, int64_t start) {
+  detail::check_update_quantized(keys, values, k_scale, v_scale, keys_new,
+                                 values_new, start);
+  at::Tensor length = at::empty({}, keys.options().dtype(at::kInt));
+  auto q = make_quant_params(keys, values, k_scale, v_scale, keys_new, values_new);
+  q.base.start = start;
+  q.base.host_starts = &start;
+  q.base.lengths_out = detail::int_rows(length);
+  detail::quant_update_stub.get(keys.device().type(), "update_quantized_")(q);
+  return length;
+}
+
+at::Tensor update_quantized_tensor_(at::Tensor& keys, at::Tensor& values,
+                                    at::Tensor& k_scale, at::Tensor& v_scale,
+                                    const at::Tensor& keys_new,
+                                    const at::Tensor& values_new,
+                                    const at::Tensor& start) {
+  const auto starts = detail::check_update_quantized_tensor(
+      keys, values, k_scale, v_scale, keys_new, values_new, start, true);
+  at::Tensor length = at::empty(start.sizes(), keys.options().dtype(at::kInt));
+  auto q = make_quant_params(keys, values, k_scale, v_scale, keys_new, values_new);
+  q.base.starts = detail::int_rows(start);
+  q.base.host_starts = starts.empty() ? nullptr : starts.data();
+  q.base.lengths_out = detail::int_rows(length);
+  detail::quant_update_stub.get(keys.device().type(), "update_quantized_")(q);
+  return length;
+}
+
+void append_quantized_(at::Tensor& keys, at::Tensor& values,
+                       at::Tensor& k_scale, at::Tensor& v_scale,
+                       at::Tensor& lengths, const at::Tensor& keys_new,
+                       const at::Tensor& values_new) {
+  const auto starts = detail::check_append_quantized(
+      keys, values, k_scale, v_scale, lengths, keys_new, values_new, true);
+  auto q = make_quant_params(keys, values, k_scale, v_scale, keys_new, values_new);
+  q.base.starts = detail::int_rows(lengths);
+  q.base.host_starts = starts.empty() ? nullptr : starts.data();
+  q.base.lengths_out = q.base.starts;
+  detail::quant_update_stub.get(keys.device().type(), "append_quantized_")(q);
 }
 
 at::Tensor append_returning_(at::Tensor& keys, at::Tensor& values,

@@ -16,6 +16,7 @@
 #include "../core/device_stub.h"
 #include "kvcache/export.h"
 #include "../core/params.h"
+#include "../core/quant.h"
 
 namespace kvcache {
 namespace detail {
@@ -45,6 +46,22 @@ struct UpdateParams {
 using UpdateFn = void (*)(const UpdateParams&);
 extern DeviceStub<UpdateFn> update_stub;
 
+// The quantized writes (update_quantized_, update_quantized_.Tensor,
+// append_quantized_; formats in core/quant.h): `base` as for update_, its
+// dst the int8/fp8 buffers and its src the new data in `src_dtype`; each
+// (row, head, slot) of the chunk also gets its scale in scale[0] (keys) /
+// scale[1] (values), float32 (batch, heads, max_len) with element strides.
+enum class FloatDtype : int32_t { kFloat32, kBFloat16, kFloat16 };
+struct QuantUpdateParams {
+  UpdateParams base;
+  KvFormat format = KvFormat::kInt8;
+  FloatDtype src_dtype = FloatDtype::kFloat32;
+  float* scale[2] = {nullptr, nullptr};
+  int64_t scale_stride[2][3] = {};
+};
+using QuantUpdateFn = void (*)(const QuantUpdateParams&);
+extern DeviceStub<QuantUpdateFn> quant_update_stub;
+
 // Checks shared by eager kernels and fake kernels. `values_known` is false
 // while tracing: a device tensor's values are then checked by the kernel.
 KVCACHE_API void check_update(const at::Tensor& keys, const at::Tensor& values,
@@ -63,6 +80,25 @@ KVCACHE_API std::vector<int64_t> check_append(const at::Tensor& keys,
                                   const at::Tensor& values_new,
                                   bool values_known);
 
+// The quantized writes' checks: every check of the plain write, except that
+// keys/values are int8 or float8_e4m3fn and keys_new/values_new a float
+// dtype (float32, bfloat16, float16; the same for both), plus the scales:
+// writable float32 (batch, num_kv_heads, max_len) on the cache's device,
+// no byte shared with themselves, each other, keys, values, the new data or
+// a start/lengths tensor.
+KVCACHE_API void check_update_quantized(
+    const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k_scale,
+    const at::Tensor& v_scale, const at::Tensor& keys_new,
+    const at::Tensor& values_new, const c10::SymInt& start);
+KVCACHE_API std::vector<int64_t> check_update_quantized_tensor(
+    const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k_scale,
+    const at::Tensor& v_scale, const at::Tensor& keys_new,
+    const at::Tensor& values_new, const at::Tensor& start, bool values_known);
+KVCACHE_API std::vector<int64_t> check_append_quantized(
+    const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k_scale,
+    const at::Tensor& v_scale, const at::Tensor& lengths,
+    const at::Tensor& keys_new, const at::Tensor& values_new,
+    bool values_known);
 
 // The checks with each schema's arguments, as a fake kernel runs them
 // (values unknown: a start or lengths tensor is checked by the kernel).
@@ -92,6 +128,28 @@ inline void trace_check_append_(const at::Tensor& keys, const at::Tensor& values
   check_append(keys, values, lengths, keys_new, values_new, false);
 }
 
+inline void trace_check_update_quantized_(
+    const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k_scale,
+    const at::Tensor& v_scale, const at::Tensor& keys_new,
+    const at::Tensor& values_new, c10::SymInt start) {
+  check_update_quantized(keys, values, k_scale, v_scale, keys_new, values_new,
+                         start);
+}
+inline void trace_check_update_quantized_tensor_(
+    const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k_scale,
+    const at::Tensor& v_scale, const at::Tensor& keys_new,
+    const at::Tensor& values_new, const at::Tensor& start) {
+  check_update_quantized_tensor(keys, values, k_scale, v_scale, keys_new,
+                                values_new, start, false);
+}
+inline void trace_check_append_quantized_(
+    const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k_scale,
+    const at::Tensor& v_scale, const at::Tensor& lengths,
+    const at::Tensor& keys_new, const at::Tensor& values_new) {
+  check_append_quantized(keys, values, k_scale, v_scale, lengths, keys_new,
+                         values_new, false);
+}
+
 }  // namespace detail
 
 // Operator entry points (registered in csrc/schema.cpp).
@@ -110,6 +168,20 @@ at::Tensor append_returning_(at::Tensor& keys, at::Tensor& values,
                              const at::Tensor& lengths,
                              const at::Tensor& keys_new,
                              const at::Tensor& values_new);
+
+at::Tensor update_quantized_(at::Tensor& keys, at::Tensor& values,
+                             at::Tensor& k_scale, at::Tensor& v_scale,
+                             const at::Tensor& keys_new,
+                             const at::Tensor& values_new, int64_t start);
+at::Tensor update_quantized_tensor_(at::Tensor& keys, at::Tensor& values,
+                                    at::Tensor& k_scale, at::Tensor& v_scale,
+                                    const at::Tensor& keys_new,
+                                    const at::Tensor& values_new,
+                                    const at::Tensor& start);
+void append_quantized_(at::Tensor& keys, at::Tensor& values,
+                       at::Tensor& k_scale, at::Tensor& v_scale,
+                       at::Tensor& lengths, const at::Tensor& keys_new,
+                       const at::Tensor& values_new);
 
 }  // namespace ops
 }  // namespace kvcache

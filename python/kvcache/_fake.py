@@ -36,7 +36,18 @@ def _update_tensor(keys, values, keys_new, values_new, start):
     return keys.new_empty(start.shape, dtype=torch.int32)
 
 
-def _attend(q, keys, values, lengths, *, kv_start=None, scale=None, window=0, softcap=0.0, positions=None, sinks=0):
+def _update_quantized(keys, values, k_scale, v_scale, keys_new, values_new, start):
+    return keys.new_empty((), dtype=torch.int32)
+
+
+def _update_quantized_tensor(keys, values, k_scale, v_scale, keys_new, values_new, start):
+    return keys.new_empty(start.shape, dtype=torch.int32)
+
+
+def _attend(
+    q, keys, values, lengths, *, kv_start=None, scale=None, window=0, softcap=0.0, positions=None, sinks=0,
+    k_scale=None, v_scale=None
+):
     b, h, s, d = q.shape
     # (batch, seq, heads, head_dim) memory, as the kernels allocate it.
     return q.new_empty((b, s, h, d)).transpose(1, 2)
@@ -64,6 +75,9 @@ _OUTPUTS = {
     "update_": _update,
     "update_tensor_": _update_tensor,
     "append_": _none,
+    "update_quantized_": _update_quantized,
+    "update_quantized_tensor_": _update_quantized_tensor,
+    "append_quantized_": _none,
     "attend": _attend,
     "rollback": _new_lengths,
     "select_rows_": _select_rows,

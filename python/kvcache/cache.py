@@ -28,6 +28,17 @@ _append_returning_op = torch.ops.kvcache.append_returning_.default
 _attend_op = torch.ops.kvcache.attend.default
 _rollback_op = torch.ops.kvcache.rollback.default
 _select_rows_op = torch.ops.kvcache.select_rows_.default
+_update_q_op = torch.ops.kvcache.update_quantized_.default
+_update_q_tensor_op = torch.ops.kvcache.update_quantized_.Tensor
+_append_q_op = torch.ops.kvcache.append_quantized_.default
+
+# kv_dtype spellings of the quantized caches (README "Quantized caches").
+_KV_DTYPES = {
+    "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
+    torch.int8: torch.int8,
+    torch.float8_e4m3fn: torch.float8_e4m3fn,
+}
 _reset_rows_op = torch.ops.kvcache.reset_rows.default
 _check_lengths_writable_op = torch.ops.kvcache.check_lengths_writable.default
 
@@ -47,19 +58,43 @@ class KVLayerCache:
         length: ``int32`` tensor on the cache's device: the number of valid
             positions; 0-D, or ``(batch,)`` after an update with per-row
             positions.
+        k_scale: For a quantized cache (``int8`` or ``float8_e4m3fn`` keys
+            and values, see ``init_kv_layer_cache(kv_dtype=...)``): the
+            float32 ``(batch, num_kv_heads, max_len)`` scale of every key
+            slot; ``None`` for a plain cache.
+        v_scale: The same for the values.
     """
 
     keys: torch.Tensor
     values: torch.Tensor
     length: torch.Tensor
+    k_scale: Optional[torch.Tensor] = None
+    v_scale: Optional[torch.Tensor] = None
 
     @property
     def max_len(self) -> int:
         """Maximum number of tokens the cache can hold."""
         return int(self.keys.shape[2])
 
+    @property
+    def quantized(self) -> bool:
+        """Whether keys and values are quantized (int8 or fp8 with scales)."""
+        return self.k_scale is not None
+
 
 make_scriptable(KVLayerCache)
+
+
+def _kv_dtype(kv_dtype) -> Optional[torch.dtype]:
+    """The storage dtype of a ``kv_dtype`` argument (None: a plain cache)."""
+    if kv_dtype is None:
+        return None
+    try:
+        return _KV_DTYPES[kv_dtype]
+    except (KeyError, TypeError):
+        raise TypeError(
+            f'kv_dtype must be None, "int8", "fp8", torch.int8 or torch.float8_e4m3fn, got {kv_dtype!r}'
+        ) from None
 
 
 def init_kv_layer_cache(
@@ -69,6 +104,8 @@ def init_kv_layer_cache(
     max_len: int,
     dtype: torch.dtype,
     device: Optional[Union[torch.device, str]] = None,
+    *,
+    kv_dtype=None,
 ) -> KVLayerCache:
     """Creates a zero-filled :class:`KVLayerCache`.
 
@@ -78,15 +115,22 @@ def init_kv_layer_cache(
         head_dim: Per-head feature dimensionality.
         max_len: Maximum sequence length.
         dtype: Buffer dtype (any: float32, bfloat16, float8, int8, bool, ...).
+            With ``kv_dtype`` it is not stored: keys/values written and
+            queries may be float32, bfloat16 or float16.
         device: Buffer device; ``None`` means CPU.
+        kv_dtype: ``None`` (a plain cache of ``dtype``), or a quantized cache:
+            ``"int8"`` / ``torch.int8`` or ``"fp8"`` / ``torch.float8_e4m3fn``
+            keys and values with one float32 scale per (row, KV head, slot)
+            in ``k_scale`` / ``v_scale`` (README "Quantized caches"). Writes
+            quantize, :func:`attend` dequantizes in registers.
 
     Returns:
         :class:`KVLayerCache` with zero buffers (two separate allocations)
-        and ``length = 0``.
+        and ``length = 0`` (and scales of 1 for a quantized cache).
 
     Raises:
-        TypeError: If a size is not an int or ``dtype`` is not a
-            ``torch.dtype``.
+        TypeError: If a size is not an int, ``dtype`` is not a
+            ``torch.dtype`` or ``kv_dtype`` is not one of the spellings above.
         ValueError: If a size is negative, ``max_len`` is 2**31 or more
             (lengths are int32), or the cache would not fit in 2**63 bytes.
     """
@@ -103,9 +147,15 @@ def init_kv_layer_cache(
         sizes.append(v)
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+    stored = _kv_dtype(kv_dtype)
     dev = torch.device(device) if device is not None else None
-    keys, values, length = _init_op(*sizes, dtype=dtype, device=dev)
-    return KVLayerCache(keys=keys, values=values, length=length)
+    keys, values, length = _init_op(*sizes, dtype=stored if stored is not None else dtype, device=dev)
+    if stored is None:
+        return KVLayerCache(keys=keys, values=values, length=length)
+    # Scales indexed like the slots: (batch, num_kv_heads, max_len).
+    k_scale = torch.ones(keys.shape[:3], dtype=torch.float32, device=keys.device)
+    v_scale = torch.ones(keys.shape[:3], dtype=torch.float32, device=keys.device)
+    return KVLayerCache(keys=keys, values=values, length=length, k_scale=k_scale, v_scale=v_scale)
 
 
 def update_kv_layer_cache(
@@ -124,7 +174,10 @@ def update_kv_layer_cache(
         cache: Existing :class:`KVLayerCache`.
         keys_new: Keys of shape ``(batch, num_kv_heads, chunk, head_dim)``,
             the cache's dtype and device; any strides (for example a
-            transposed ``(batch, chunk, heads, head_dim)`` view).
+            transposed ``(batch, chunk, heads, head_dim)`` view). For a
+            quantized cache: float32, bfloat16 or float16, quantized per
+            slot with their scales written to ``cache.k_scale`` /
+            ``cache.v_scale`` (``update_quantized_``).
         values_new: Values of the same shape as ``keys_new``.
         start: Position to write at: a Python int, or an int32/int64 tensor on
             the cache's device, 0-D (same start for every row) or of shape
@@ -151,6 +204,18 @@ def update_kv_layer_cache(
     if torch.jit.is_scripting():
         # TorchScript: the same calls (the isinstance refines the Union),
         # without the Python-only type checks.
+        ks = cache.k_scale
+        vs = cache.v_scale
+        if ks is not None and vs is not None:
+            if isinstance(start, torch.Tensor):
+                length = torch.ops.kvcache.update_quantized_(
+                    cache.keys, cache.values, ks, vs, keys_new, values_new, start
+                )
+            else:
+                length = torch.ops.kvcache.update_quantized_(
+                    cache.keys, cache.values, ks, vs, keys_new, values_new, start
+                )
+            return KVLayerCache(cache.keys, cache.values, length, ks, vs)
         if isinstance(start, torch.Tensor):
             length = torch.ops.kvcache.update_(cache.keys, cache.values, keys_new, values_new, start)
         else:
@@ -159,17 +224,25 @@ def update_kv_layer_cache(
     if not isinstance(cache, KVLayerCache):
         raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
     keys, values = cache.keys, cache.values
+    ks, vs = cache.k_scale, cache.v_scale
+    quantized = ks is not None
     # The op returns the new length too: one dispatch (one CUDA launch) per update.
     if isinstance(start, torch.Tensor):
-        length = _update_tensor_op(keys, values, keys_new, values_new, start)
+        if quantized:
+            length = _update_q_tensor_op(keys, values, ks, vs, keys_new, values_new, start)
+        else:
+            length = _update_tensor_op(keys, values, keys_new, values_new, start)
     else:
         if not isinstance(start, (int, torch.SymInt)) or isinstance(start, bool):
             start = _as_int("start", start)
         if isinstance(start, int) and not _INT64_MIN <= start <= _INT64_MAX:
             # The op takes int64: say what the user got wrong, not "expected int".
             _raise_out_of_range_start(start, keys_new, keys)
-        length = _update_op(keys, values, keys_new, values_new, start)
-    return KVLayerCache(keys, values, length)
+        if quantized:
+            length = _update_q_op(keys, values, ks, vs, keys_new, values_new, start)
+        else:
+            length = _update_op(keys, values, keys_new, values_new, start)
+    return KVLayerCache(keys, values, length, ks, vs)
 
 
 def init_decoder_kv_caches(
@@ -181,6 +254,7 @@ def init_decoder_kv_caches(
     max_len: int,
     dtype: torch.dtype,
     device: Optional[Union[torch.device, str]] = None,
+    kv_dtype=None,
 ) -> Tuple[KVLayerCache, ...]:
     """Creates one empty :class:`KVLayerCache` per layer.
 
@@ -192,6 +266,8 @@ def init_decoder_kv_caches(
         max_len: Maximum cached sequence length.
         dtype: Buffer dtype.
         device: Buffer device; ``None`` means CPU.
+        kv_dtype: ``None``, ``"int8"`` or ``"fp8"`` (or the torch dtypes):
+            quantized caches, as :func:`init_kv_layer_cache`.
 
     Returns:
         Tuple of ``num_layers`` :class:`KVLayerCache` objects, each with its
@@ -205,7 +281,7 @@ def init_decoder_kv_caches(
     if n < 0:
         raise ValueError(f"num_layers must be >= 0, got {n}")
     return tuple(
-        init_kv_layer_cache(batch_size, num_kv_heads, head_dim, max_len, dtype, device)
+        init_kv_layer_cache(batch_size, num_kv_heads, head_dim, max_len, dtype, device, kv_dtype=kv_dtype)
         for _ in range(n)
     )
 
@@ -217,6 +293,7 @@ def init_decoder_kv_caches_from_config(
     max_len: Optional[int] = None,
     dtype: torch.dtype = torch.float32,
     device: Optional[Union[torch.device, str]] = None,
+    kv_dtype=None,
 ) -> Tuple[KVLayerCache, ...]:
     """Builds per-layer KV caches from a :class:`TransformerConfig`.
 
@@ -227,6 +304,8 @@ def init_decoder_kv_caches_from_config(
             ``config.kv_cache_max_len`` (which defaults to ``config.max_len``).
         dtype: Buffer dtype.
         device: Buffer device; ``None`` means CPU.
+        kv_dtype: ``None``, ``"int8"`` or ``"fp8"``: quantized caches (see
+            :func:`init_kv_layer_cache`).
 
     Returns:
         Tuple of ``config.num_layers`` :class:`KVLayerCache` objects with
@@ -248,6 +327,7 @@ def init_decoder_kv_caches_from_config(
         max_len=cap,
         dtype=dtype,
         device=device,
+        kv_dtype=kv_dtype,
     )
 
 
@@ -277,10 +357,29 @@ def append_kv_layer_cache(cache: KVLayerCache, keys_new: torch.Tensor, values_ne
         TypeError: If dtypes differ.
     """
     if torch.jit.is_scripting():
-        torch.ops.kvcache.append_(cache.keys, cache.values, cache.length, keys_new, values_new)
+        ks = cache.k_scale
+        vs = cache.v_scale
+        if ks is not None and vs is not None:
+            torch.ops.kvcache.append_quantized_(cache.keys, cache.values, ks, vs, cache.length, keys_new, values_new)
+        else:
+            torch.ops.kvcache.append_(cache.keys, cache.values, cache.length, keys_new, values_new)
         return cache
     if not isinstance(cache, KVLayerCache):
         raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
+    if cache.k_scale is not None:
+        if torch.compiler.is_compiling():
+            # As _append: the functional write, then a copy_ of the new
+            # lengths (checked writable first, so the copy cannot fail after
+            # the buffers were written).
+            _check_lengths_writable_op(cache.length)
+            cache.length.copy_(
+                _update_q_tensor_op(
+                    cache.keys, cache.values, cache.k_scale, cache.v_scale, keys_new, values_new, cache.length
+                )
+            )
+        else:
+            _append_q_op(cache.keys, cache.values, cache.k_scale, cache.v_scale, cache.length, keys_new, values_new)
+        return cache
     _append(cache.keys, cache.values, cache.length, keys_new, values_new)
     return cache
 
@@ -321,8 +420,10 @@ def attend(
 
     Args:
         q: Queries ``(batch, num_heads, seq, head_dim)``, any strides, the
-            cache's dtype (float32, bfloat16 or float16); ``num_heads`` a
-            multiple of ``num_kv_heads`` (grouped-query attention).
+            cache's dtype (float32, bfloat16 or float16; any of the three
+            for a quantized cache, which is dequantized in registers);
+            ``num_heads`` a multiple of ``num_kv_heads`` (grouped-query
+            attention).
         cache: The layer's cache, already updated with this step's keys and
             values; or a ring (:class:`kvcache.RingLayerCache`, or the
             :class:`kvcache.RingKV` of :func:`kvcache.write_ring_layer_cache`),
@@ -353,7 +454,16 @@ def attend(
     softcap_ = 0.0 if softcap is None else softcap
     if torch.jit.is_scripting():
         return torch.ops.kvcache.attend(
-            q, cache.keys, cache.values, cache.length, kv_start=kv_start, scale=scale, window=window_, softcap=softcap_
+            q,
+            cache.keys,
+            cache.values,
+            cache.length,
+            kv_start=kv_start,
+            scale=scale,
+            window=window_,
+            softcap=softcap_,
+            k_scale=cache.k_scale,
+            v_scale=cache.v_scale,
         )
     if not isinstance(cache, KVLayerCache):
         return _attend_ring(q, cache, kv_start, scale, window, softcap)
@@ -366,6 +476,8 @@ def attend(
         scale=scale,
         window=window_,
         softcap=softcap_,
+        k_scale=cache.k_scale,
+        v_scale=cache.v_scale,
     )
 
 
@@ -432,8 +544,8 @@ def select_rows_kv_layer_cache(cache: KVLayerCache, index: torch.Tensor) -> KVLa
     """Row ``b`` takes the contents of row ``index[b]``, for every row, in place.
 
     Beam-search reordering, forking one prompt into several samples, or
-    compacting a batch: keys, values and length of each row become those of
-    row ``index[b]`` (a permutation, repeats or any selection), the buffers
+    compacting a batch: keys, values (and a quantized cache's scales) and
+    length of each row become those of row ``index[b]`` (a permutation, repeats or any selection), the buffers
     keep their addresses, and only the filled slots move (O(content)).
 
     Args:
@@ -455,6 +567,11 @@ def select_rows_kv_layer_cache(cache: KVLayerCache, index: torch.Tensor) -> KVLa
     if not isinstance(cache, KVLayerCache):
         raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
     _check_length_writable(cache.length)
+    if cache.k_scale is not None:
+        # The scales are indexed like the slots: moved as (..., max_len, 1)
+        # caches by the same operator, with the same checks (a call that
+        # fails raises before either writes anything).
+        _select_rows_op(cache.k_scale.unsqueeze(-1), cache.v_scale.unsqueeze(-1), cache.length, index)
     cache.length.copy_(_select_rows_op(cache.keys, cache.values, cache.length, index))
     return cache
 

@@ -33,13 +33,14 @@ from typing import Optional, Union
 
 import torch
 
-from .cache import _as_int, _check_length_writable
+from .cache import _as_int, _check_length_writable, _kv_dtype
 
 _init_op = torch.ops.kvcache.init_layer_cache.default
 _ring_update_op = torch.ops.kvcache.ring_update_.default
 _attend_op = torch.ops.kvcache.attend.default
 _rollback_op = torch.ops.kvcache.rollback.default
 _select_rows_op = torch.ops.kvcache.select_rows_.default
+_update_q_op = torch.ops.kvcache.update_quantized_.default
 
 #: Default ``max_step`` (R): the most tokens one write may add and still be
 #: attended inside the ring, and the furthest rollback. 64 covers speculative
@@ -68,6 +69,11 @@ class RingLayerCache:
         sinks: The first ``sinks`` positions, always visible.
         max_step: R: the most tokens a write may add and be attended in the
             ring, and the deepest exact rollback.
+        k_scale: A quantized ring's (int8 / float8_e4m3fn ``keys``) float32
+            key scales ``(batch, num_kv_heads, capacity)``, one per slot,
+            indexed like the slots (README "Quantized caches"); ``None`` for
+            a plain ring.
+        v_scale: The same for the values.
     """
 
     keys: torch.Tensor
@@ -77,6 +83,13 @@ class RingLayerCache:
     window: int
     sinks: int = 0
     max_step: int = DEFAULT_MAX_STEP
+    k_scale: Optional[torch.Tensor] = None
+    v_scale: Optional[torch.Tensor] = None
+
+    @property
+    def quantized(self) -> bool:
+        """Whether keys/values are int8 / fp8 with per-slot scales."""
+        return self.k_scale is not None
 
     @property
     def capacity(self) -> int:
@@ -99,6 +112,8 @@ class RingKV:
         length: int32 logical length after the write, 0-D or ``(batch,)``.
         window: The ring's window.
         sinks: The ring's sinks.
+        k_scale, v_scale: A quantized ring's scales ``(batch, num_kv_heads,
+            slots)`` (``None`` for a plain ring).
     """
 
     keys: torch.Tensor
@@ -107,6 +122,8 @@ class RingKV:
     length: torch.Tensor
     window: int
     sinks: int = 0
+    k_scale: Optional[torch.Tensor] = None
+    v_scale: Optional[torch.Tensor] = None
 
 
 def init_ring_layer_cache(
@@ -119,6 +136,7 @@ def init_ring_layer_cache(
     *,
     sinks: int = 0,
     max_step: int = DEFAULT_MAX_STEP,
+    kv_dtype=None,
 ) -> RingLayerCache:
     """Creates an empty :class:`RingLayerCache` (zero buffers, every slot empty).
 
@@ -127,20 +145,26 @@ def init_ring_layer_cache(
         num_kv_heads: Number of KV heads.
         head_dim: Per-head feature dimensionality.
         window: Sliding window, >= 1 (transformers' ``sliding_window``).
-        dtype: Buffer dtype.
+        dtype: Buffer dtype (with ``kv_dtype``: not stored; keys/values
+            written and queries may be float32, bfloat16 or float16).
         device: Buffer device; ``None`` means CPU.
         sinks: Attention sinks: the first ``sinks`` positions stay visible
             to every query (StreamingLLM). Default 0.
         max_step: R, >= 1: the most tokens one write may add and be attended
             inside the ring, and the deepest exact rollback (default
             :data:`DEFAULT_MAX_STEP`).
+        kv_dtype: ``None`` (a plain ring of ``dtype``), or ``"int8"`` /
+            ``torch.int8`` / ``"fp8"`` / ``torch.float8_e4m3fn``: a quantized
+            ring with one float32 scale per (row, KV head, slot), the formats
+            of :func:`kvcache.init_kv_layer_cache`'s ``kv_dtype``.
 
     Returns:
         :class:`RingLayerCache` of ``sinks + window + max_step - 1`` slots per
         row, ``positions`` all -1 and a 0-D ``length`` of 0.
 
     Raises:
-        TypeError: If a size is not an int or ``dtype`` is not a torch.dtype.
+        TypeError: If a size is not an int, ``dtype`` is not a torch.dtype or
+            ``kv_dtype`` is not one of its spellings.
         ValueError: If ``window`` or ``max_step`` is < 1, ``sinks`` < 0, a
             size is negative, or the capacity reaches 2**31.
     """
@@ -160,17 +184,65 @@ def init_ring_layer_cache(
         )
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+    stored = _kv_dtype(kv_dtype)
     dev = torch.device(device) if device is not None else None
     keys, values, length = _init_op(
         _as_int("batch_size", batch_size),
         _as_int("num_kv_heads", num_kv_heads),
         _as_int("head_dim", head_dim),
         capacity,
-        dtype=dtype,
+        dtype=stored if stored is not None else dtype,
         device=dev,
     )
     positions = torch.full((keys.shape[0], capacity), -1, dtype=torch.int32, device=keys.device)
-    return RingLayerCache(keys, values, positions, length, window, sinks, max_step)
+    k_scale = v_scale = None
+    if stored is not None:
+        k_scale = torch.ones(keys.shape[:3], dtype=torch.float32, device=keys.device)
+        v_scale = torch.ones(keys.shape[:3], dtype=torch.float32, device=keys.device)
+    return RingLayerCache(keys, values, positions, length, window, sinks, max_step, k_scale, v_scale)
+
+
+def _quantize_chunk(cache: RingLayerCache, keys_new, values_new):
+    # A quantized ring's write: the chunk is quantized into a chunk-sized
+    # staging cache by update_quantized_ (the formats' one implementation,
+    # with its checks of the new data), then the quantized data and its
+    # scales are placed in the ring by ring_update_ (the ring's checks and
+    # slot rule). Staging is O(chunk), never O(capacity).
+    if not isinstance(keys_new, torch.Tensor) or keys_new.dim() != 4:
+        shape = tuple(keys_new.shape) if isinstance(keys_new, torch.Tensor) else type(keys_new).__name__
+        raise ValueError(f"keys_new must be (batch, num_kv_heads, chunk, head_dim), got {shape}")
+    b, h, c, d = keys_new.shape
+    dev = keys_new.device
+    tk = torch.empty((b, h, c, d), dtype=cache.keys.dtype, device=dev)
+    tv = torch.empty((b, h, c, d), dtype=cache.keys.dtype, device=dev)
+    tks = torch.empty((b, h, c), dtype=torch.float32, device=dev)
+    tvs = torch.empty((b, h, c), dtype=torch.float32, device=dev)
+    _update_q_op(tk, tv, tks, tvs, keys_new, values_new, 0)
+    return tk, tv, tks, tvs
+
+
+def _ring_write(cache: RingLayerCache, keys_new, values_new, start_t, staged=None) -> torch.Tensor:
+    # The ring's write of one chunk (quantized: staged by _quantize_chunk);
+    # returns the new length.
+    if cache.k_scale is None:
+        return _ring_update_op(
+            cache.keys, cache.values, cache.positions, keys_new, values_new, start_t, sinks=cache.sinks
+        )
+    tk, tv, tks, tvs = staged if staged is not None else _quantize_chunk(cache, keys_new, values_new)
+    length = _ring_update_op(cache.keys, cache.values, cache.positions, tk, tv, start_t, sinks=cache.sinks)
+    # Same start, positions and batch/heads as the call above, which checked
+    # them: this one cannot fail after the data was written. It rewrites the
+    # same positions.
+    _ring_update_op(
+        cache.k_scale.unsqueeze(-1),
+        cache.v_scale.unsqueeze(-1),
+        cache.positions,
+        tks.unsqueeze(-1),
+        tvs.unsqueeze(-1),
+        start_t,
+        sinks=cache.sinks,
+    )
+    return length
 
 
 def _check_ring(cache) -> None:
@@ -221,11 +293,17 @@ def update_ring_layer_cache(
     """
     _check_ring(cache)
     start_t = _start_tensor(cache, start)
-    length = _ring_update_op(
-        cache.keys, cache.values, cache.positions, keys_new, values_new, start_t, sinks=cache.sinks
-    )
+    length = _ring_write(cache, keys_new, values_new, start_t)
     return RingLayerCache(
-        cache.keys, cache.values, cache.positions, length, cache.window, cache.sinks, cache.max_step
+        cache.keys,
+        cache.values,
+        cache.positions,
+        length,
+        cache.window,
+        cache.sinks,
+        cache.max_step,
+        cache.k_scale,
+        cache.v_scale,
     )
 
 
@@ -249,11 +327,7 @@ def append_ring_layer_cache(cache: RingLayerCache, keys_new: torch.Tensor, value
     """
     _check_ring(cache)
     _check_length_writable(cache.length)
-    cache.length.copy_(
-        _ring_update_op(
-            cache.keys, cache.values, cache.positions, keys_new, values_new, cache.length, sinks=cache.sinks
-        )
-    )
+    cache.length.copy_(_ring_write(cache, keys_new, values_new, cache.length))
     return cache
 
 
@@ -298,6 +372,7 @@ def write_ring_layer_cache(
         start_t = _start_tensor(cache, start)
     chunk = keys_new.shape[2] if isinstance(keys_new, torch.Tensor) and keys_new.dim() == 4 else 0
     long_chunk = chunk > cache.max_step
+    staged = _quantize_chunk(cache, keys_new, values_new) if cache.k_scale is not None else None
     if long_chunk:
         batch = cache.positions.shape[0]
         s = start_t.to(torch.int32)
@@ -305,18 +380,25 @@ def write_ring_layer_cache(
         old = torch.where(cache.positions < s, cache.positions, -1)
         new = (s + torch.arange(chunk, dtype=torch.int32, device=s.device)).expand(batch, chunk)
         view_pos = torch.cat([old, new], dim=1)
-        view_k = torch.cat([cache.keys, keys_new], dim=2)
-        view_v = torch.cat([cache.values, values_new], dim=2)
-    length = _ring_update_op(
-        cache.keys, cache.values, cache.positions, keys_new, values_new, start_t, sinks=cache.sinks
-    )
+        if staged is None:
+            view_k = torch.cat([cache.keys, keys_new], dim=2)
+            view_v = torch.cat([cache.values, values_new], dim=2)
+            view_ks = view_vs = None
+        else:  # the chunk's quantized data and scales, exactly what the ring stores
+            view_k = torch.cat([cache.keys, staged[0]], dim=2)
+            view_v = torch.cat([cache.values, staged[1]], dim=2)
+            view_ks = torch.cat([cache.k_scale, staged[2]], dim=2)
+            view_vs = torch.cat([cache.v_scale, staged[3]], dim=2)
+    length = _ring_write(cache, keys_new, values_new, start_t, staged)
     if start is None:
         _check_length_writable(cache.length)
         cache.length.copy_(length)
         length = cache.length
     if long_chunk:
-        return RingKV(view_k, view_v, view_pos, length, cache.window, cache.sinks)
-    return RingKV(cache.keys, cache.values, cache.positions, length, cache.window, cache.sinks)
+        return RingKV(view_k, view_v, view_pos, length, cache.window, cache.sinks, view_ks, view_vs)
+    return RingKV(
+        cache.keys, cache.values, cache.positions, length, cache.window, cache.sinks, cache.k_scale, cache.v_scale
+    )
 
 
 def attend_ring(
@@ -335,7 +417,8 @@ def attend_ring(
 
     Args:
         q: ``(batch, num_heads, seq, head_dim)``, the cache's dtype (float32,
-            bfloat16, float16).
+            bfloat16, float16; any of the three for a quantized ring, read
+            with its scales and dequantized in registers).
         kv: A :class:`RingLayerCache` after a write of at most ``max_step``
             tokens, or the :class:`RingKV` of :func:`write_ring_layer_cache`.
         kv_start: ``(batch,)`` or 0-D int: first valid position (left
@@ -368,6 +451,8 @@ def attend_ring(
         softcap=0.0 if softcap is None else softcap,
         positions=kv.positions,
         sinks=kv.sinks,
+        k_scale=kv.k_scale,
+        v_scale=kv.v_scale,
     )
 
 
@@ -417,7 +502,8 @@ def select_rows_ring_layer_cache(cache: RingLayerCache, index: torch.Tensor) -> 
     """Row ``b`` takes keys, values, positions and length of row ``index[b]``, in place.
 
     Beam search and forking on a ring: every slot of the selected rows moves
-    (``select_rows_`` over the whole capacity), with the positions.
+    (``select_rows_`` over the whole capacity), with the positions (and a
+    quantized ring's scales).
 
     Args:
         cache: The ring.
@@ -437,6 +523,8 @@ def select_rows_ring_layer_cache(cache: RingLayerCache, index: torch.Tensor) -> 
     full = torch.full((), cache.capacity, dtype=torch.int32, device=cache.length.device)
     # Validates index (CPU: raises before any write; CUDA: -1 and no write).
     moved = _select_rows_op(cache.keys, cache.values, full, index)
+    if cache.k_scale is not None:  # the scales move with their slots (index was checked above)
+        _select_rows_op(cache.k_scale.unsqueeze(-1), cache.v_scale.unsqueeze(-1), full, index)
     ok = moved >= 0
     batch = cache.positions.shape[0]
     safe = index.clamp(0, max(batch - 1, 0)).long()

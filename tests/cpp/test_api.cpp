@@ -262,6 +262,45 @@ TEST_CASE("append_kv_layer_cache returns the cache it advanced", "[api]") {
   REQUIRE(cache.length.item<int>() == 3);
 }
 
+TEST_CASE("quantized caches through the C++ API: write, attend, select rows", "[api][quant]") {
+  for (auto kv : {at::kChar, at::kFloat8_e4m3fn}) {
+    auto cache = kvcache::init_quantized_kv_layer_cache(B, H, D, T, kv);
+    REQUIRE(cache.quantized());
+    REQUIRE(cache.keys.scalar_type() == kv);
+    REQUIRE(cache.k_scale.sizes() == at::IntArrayRef({B, H, T}));
+    REQUIRE(cache.k_scale.scalar_type() == at::kFloat);
+    cache.length = at::zeros({B}, at::kInt);
+    const auto kn = at::randn({B, H, 5, D});
+    const auto vn = at::randn({B, H, 5, D});
+    kvcache::append_kv_layer_cache(cache, kn, vn);
+    REQUIRE(cache.length.equal(at::full({B}, 5, at::kInt)));
+    // Scales: absmax / 127 (int8) or / 448 (fp8) of each slot, as the README defines them.
+    const double qmax = kv == at::kChar ? 127.0 : 448.0;
+    const auto want_scale = (kn.abs().amax(-1) / qmax).clamp_min(1.17549435e-38);
+    REQUIRE(cache.k_scale.narrow(2, 0, 5).equal(want_scale));
+    // Dequantized keys are within half a step of the originals: int8 steps are one scale; e4m3
+    // keeps 3 mantissa bits (relative 2^-4 at most) with subnormal steps of 2^-9 scales.
+    const auto deq = cache.keys.narrow(2, 0, 5).to(at::kFloat) * cache.k_scale.narrow(2, 0, 5).unsqueeze(-1);
+    const auto s = want_scale.unsqueeze(-1);
+    const auto bound = kv == at::kChar ? s * 0.5 : kn.abs() / 16 + s / 512;
+    REQUIRE(((deq - kn).abs() <= bound * (1 + 1e-6)).all().item<bool>());
+    const auto q = at::randn({B, H, 1, D});
+    const auto out = kvcache::attend(q, cache);
+    REQUIRE(out.sizes() == at::IntArrayRef({B, H, 1, D}));
+    REQUIRE(at::isfinite(out).all().item<bool>());
+    // Row 0 takes row 1: data, scales and length.
+    const auto row1_scale = cache.k_scale[1].clone();
+    kvcache::select_rows_kv_layer_cache(cache, at::tensor({int64_t{1}, int64_t{1}}));
+    REQUIRE(cache.k_scale[0].narrow(1, 0, 5).equal(row1_scale.narrow(1, 0, 5)));
+    REQUIRE(cache.keys[0].narrow(1, 0, 5).view(at::kByte).equal(cache.keys[1].narrow(1, 0, 5).view(at::kByte)));
+    // A float cache is refused by the quantized write, before anything is written.
+    auto plain = kvcache::init_kv_layer_cache(B, H, D, T, at::kFloat);
+    auto ks = at::ones({B, H, T}), vs = at::ones({B, H, T});
+    REQUIRE_THROWS_AS(kvcache::update_quantized_(plain.keys, plain.values, ks, vs, kn, vn, 0), c10::TypeError);
+    REQUIRE(plain.keys.abs().sum().item<float>() == 0.f);
+  }
+}
+
 TEST_CASE("reset_rows_kv_layer_cache empties the selected rows in place", "[api]") {
   auto cache = kvcache::init_kv_layer_cache(4, 1, 4, 8, at::kFloat);
   cache.length = at::tensor({3, 4, 5, 6}, at::kInt);

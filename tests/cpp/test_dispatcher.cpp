@@ -36,10 +36,16 @@ TEST_CASE("schemas are registered with mutation annotations", "[dispatcher]") {
   REQUIRE(schema_of("kvcache::attend") ==
           "kvcache::attend(Tensor q, Tensor keys, Tensor values, Tensor lengths, *, "
           "Tensor? kv_start=None, float? scale=None, int window=0, float softcap=0., "
-          "Tensor? positions=None, int sinks=0) -> Tensor");
+          "Tensor? positions=None, int sinks=0, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
   REQUIRE(schema_of("kvcache::ring_update_") ==
           "kvcache::ring_update_(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) positions, "
           "Tensor keys_new, Tensor values_new, Tensor start, *, int sinks=0) -> Tensor");
+  REQUIRE(schema_of("kvcache::update_quantized_") ==
+          "kvcache::update_quantized_(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) k_scale, "
+          "Tensor(d!) v_scale, Tensor keys_new, Tensor values_new, SymInt start) -> Tensor");
+  REQUIRE(schema_of("kvcache::append_quantized_") ==
+          "kvcache::append_quantized_(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) k_scale, "
+          "Tensor(d!) v_scale, Tensor(e!) lengths, Tensor keys_new, Tensor values_new) -> ()");
   REQUIRE(schema_of("kvcache::rollback") ==
           "kvcache::rollback(Tensor lengths, Tensor n, *, Tensor? kv_start=None) -> Tensor");
   REQUIRE(schema_of("kvcache::select_rows_") ==

@@ -217,6 +217,57 @@ def q_(heads=H, seq=1, d=D, dtype=torch.float32):
     return torch.randn(B, heads, seq, d).to(dtype)
 
 
+# Quantized caches: int8 / float8_e4m3fn data and float32 (B, H, T) scales.
+def qcache(dtype=torch.int8):
+    return torch.zeros(B, H, T, D, dtype=dtype), torch.zeros(B, H, T, D, dtype=dtype)
+
+
+def scales(shape=(B, H, T), dtype=torch.float32):
+    return torch.ones(shape, dtype=dtype), torch.ones(shape, dtype=dtype)
+
+
+def qall(dtype=torch.int8, chunk=2):
+    return (*qcache(dtype), *scales(), *new(chunk))
+
+
+def qupd(start):
+    return lambda k, v, ks, vs, kn, vn: ops.update_quantized_(k, v, ks, vs, kn, vn, start)
+
+
+def qupd_t(k, v, ks, vs, kn, vn, s):
+    return ops.update_quantized_.Tensor(k, v, ks, vs, kn, vn, s)
+
+
+def qapp(k, v, ks, vs, lengths, kn, vn):
+    ops.append_quantized_(k, v, ks, vs, lengths, kn, vn)
+
+
+def qatt(q, k, v, lengths, ks, vs):
+    return ops.attend(q, k, v, lengths, k_scale=ks, v_scale=vs)
+
+
+def scale_aliases_keys():
+    k, v = qcache()
+    ks = k.view(torch.float32)[..., :1].reshape(B, H, T)  # (B, H, T) float32 view of the keys' bytes
+    return (k, v, ks, torch.ones(B, H, T), *new(1))
+
+
+def scales_share():
+    s = torch.ones(B, H, T)
+    return (*qcache(), s, s, *new(1))
+
+
+def new_aliases_scale():
+    ks, vs = scales()
+    kn = torch.as_strided(ks, (B, H, 1, D), (H * T, T, 1, 0))  # new keys read from k_scale's bytes
+    return (*qcache(), ks, vs, kn, torch.randn(B, H, 1, D))
+
+
+def lengths_in_scale():
+    ks, vs = scales()
+    return (*qcache(), ks, vs, ks[:, 0, 0].view(torch.int32), *new(1))
+
+
 
 CASES = [
     # --- update_ (host start) ---
@@ -328,6 +379,40 @@ CASES = [
     Case("attend/lengths-below-seq", att(), lambda: (q_(seq=3), *cache(), torch.tensor([3, 2])), runtime=True),
     Case("attend/lengths-over-max_len", att(), lambda: (q_(), *cache(), torch.tensor(T + 1)), runtime=True),
     Case("attend/kv_start-over-lengths", att_ks, lambda: (q_(), *cache(), torch.tensor(3), torch.tensor([0, 4])),
+         runtime=True),
+    # --- update_quantized_ / update_quantized_.Tensor / append_quantized_ ---
+    Case("update_quantized_/keys-float-cache", qupd(0), lambda: (*cache(), *scales(), *new(1))),
+    Case("update_quantized_/keys_new-int", qupd(0), lambda: (*qcache(), *scales(), *(t.to(torch.int32) for t in new(1)))),
+    Case("update_quantized_/values_new-dtype", qupd(0), lambda: (*qcache(), *scales(), new(1)[0], new(1)[1].half())),
+    Case("update_quantized_/values-format", qupd(0),
+         lambda: (qcache()[0], qcache(torch.float8_e4m3fn)[1], *scales(), *new(1))),
+    Case("update_quantized_/k_scale-shape", qupd(0), lambda: (*qcache(), torch.ones(B, H, T + 1), torch.ones(B, H, T), *new(1))),
+    Case("update_quantized_/k_scale-4d", qupd(0), lambda: (*qcache(), torch.ones(B, H, T, 1), torch.ones(B, H, T), *new(1))),
+    Case("update_quantized_/v_scale-dtype", qupd(0), lambda: (*qcache(), torch.ones(B, H, T), torch.ones(B, H, T).half(), *new(1))),
+    Case("update_quantized_/k_scale-device", qupd(0), lambda: (*qcache(), torch.ones(B, H, T, device="meta"), torch.ones(B, H, T), *new(1))),
+    Case("update_quantized_/k_scale-expanded", qupd(0),
+         lambda: (*qcache(), torch.ones(1, H, T).expand(B, H, T), torch.ones(B, H, T), *new(1))),
+    Case("update_quantized_/k_scale-aliases-keys", qupd(0), scale_aliases_keys),
+    Case("update_quantized_/scales-share", qupd(0), scales_share),
+    Case("update_quantized_/keys_new-aliases-k_scale", qupd(0), new_aliases_scale),
+    Case("update_quantized_/start-overflow", qupd(T - 1), lambda: qall(chunk=2)),
+    Case("update_quantized_/start-negative", qupd(-1), lambda: qall(torch.float8_e4m3fn, chunk=1)),
+    Case("update_quantized_.Tensor/start-negative", qupd_t, lambda: (*qall(chunk=1), torch.tensor([0, -1])), runtime=True),
+    Case("update_quantized_.Tensor/start-float", qupd_t, lambda: (*qall(chunk=1), torch.tensor(1.0))),
+    Case("append_quantized_/lengths-overflow", qapp,
+         lambda: (*qcache(), *scales(), torch.tensor([T, 0]), *new(1)), runtime=True),
+    Case("append_quantized_/lengths-in-k_scale", qapp, lengths_in_scale),
+    Case("append_quantized_/v_scale-shape", qapp,
+         lambda: (*qcache(), torch.ones(B, H, T), torch.ones(B, H + 1, T), torch.tensor(0), *new(1))),
+    # --- attend on a quantized cache ---
+    Case("attend/quantized-no-scales", att(), lambda: (q_(), *qcache(), torch.tensor(3))),
+    Case("attend/scales-on-float-cache", qatt, lambda: (q_(), *cache(), torch.tensor(3), *scales())),
+    Case("attend/quantized-formats-differ", qatt,
+         lambda: (q_(), qcache()[0], qcache(torch.float8_e4m3fn)[1], torch.tensor(3), *scales())),
+    Case("attend/k_scale-shape", qatt, lambda: (q_(), *qcache(), torch.tensor(3), torch.ones(B, H, T - 1), torch.ones(B, H, T))),
+    Case("attend/v_scale-dtype", qatt, lambda: (q_(), *qcache(), torch.tensor(3), torch.ones(B, H, T), torch.ones(B, H, T).double())),
+    Case("attend/quantized-q-int", qatt, lambda: (q_().to(torch.int8), *qcache(), torch.tensor(3), *scales())),
+    Case("attend/quantized-lengths-over-max_len", qatt, lambda: (q_(), *qcache(), torch.tensor(T + 1), *scales()),
          runtime=True),
     # --- rollback ---
     Case("rollback_/lengths-float", rb, lambda: (torch.tensor([3.0, 4.0]), torch.tensor(1))),
@@ -459,7 +544,8 @@ def test_table_covers_every_operator():
     names = {c.id.split("/")[0] for c in CASES}
     assert names == {"update_", "update_.Tensor", "append_", "append_returning_", "attend", "rollback_",
                      "select_rows_", "reset_rows", "init_layer_cache", "ring_update_", "append_kv_layer_cache",
-                     "rollback_kv_layer_cache", "select_rows_kv_layer_cache", "reset_rows_kv_layer_cache"}
+                     "rollback_kv_layer_cache", "select_rows_kv_layer_cache", "reset_rows_kv_layer_cache",
+                     "update_quantized_", "update_quantized_.Tensor", "append_quantized_"}
     assert all(isinstance(run_eager(c), (ValueError, TypeError)) for c in CASES if "requires-grad" not in c.id)
 
 

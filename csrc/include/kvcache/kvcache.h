@@ -29,10 +29,19 @@ namespace kvcache {
 /// values: same shape and dtype as keys, separate storage.
 /// length: int32 tensor on the cache's device; 0-D (every row), or (batch,)
 ///         (one per row). Number of filled positions.
+///
+/// A quantized cache (init_kv_layer_cache with a kv_dtype) has int8 or
+/// float8_e4m3fn keys/values and k_scale / v_scale: float32 (batch,
+/// num_kv_heads, max_len), one scale per slot (undefined for a plain cache).
 struct KVLayerCache {
   at::Tensor keys;
   at::Tensor values;
   at::Tensor length;
+  at::Tensor k_scale;
+  at::Tensor v_scale;
+
+  /// Whether keys/values are quantized (k_scale / v_scale defined).
+  bool quantized() const { return k_scale.defined(); }
 
   /// Maximum number of tokens the cache can hold.
   int64_t max_len() const { return keys.size(2); }
@@ -54,6 +63,10 @@ struct AttendOptions {
   std::optional<at::Tensor> positions;
   /// With positions: the first `sinks` positions are always visible.
   int64_t sinks = 0;
+  /// A quantized cache's scales (both or neither; set by
+  /// attend(q, cache, options) from the cache).
+  std::optional<at::Tensor> k_scale;
+  std::optional<at::Tensor> v_scale;
 };
 
 // ---- The operators (thin typed wrappers over the dispatcher) -------------
@@ -87,6 +100,30 @@ KVCACHE_API at::Tensor update_(at::Tensor& keys, at::Tensor& values,
 KVCACHE_API void append_(at::Tensor& keys, at::Tensor& values,
                          at::Tensor& lengths, const at::Tensor& keys_new,
                          const at::Tensor& values_new);
+
+/// kvcache::update_quantized_ / update_quantized_.Tensor / append_quantized_:
+/// the writes of a quantized cache (int8 or float8_e4m3fn keys / values):
+/// keys_new / values_new (float32, bfloat16 or float16) are quantized per
+/// (row, KV head, slot), their scales written into k_scale / v_scale
+/// ((batch, num_kv_heads, max_len) float32). Same starts, checks and
+/// results as update_ / append_.
+KVCACHE_API at::Tensor update_quantized_(at::Tensor& keys, at::Tensor& values,
+                                         at::Tensor& k_scale,
+                                         at::Tensor& v_scale,
+                                         const at::Tensor& keys_new,
+                                         const at::Tensor& values_new,
+                                         int64_t start);
+KVCACHE_API at::Tensor update_quantized_(at::Tensor& keys, at::Tensor& values,
+                                         at::Tensor& k_scale,
+                                         at::Tensor& v_scale,
+                                         const at::Tensor& keys_new,
+                                         const at::Tensor& values_new,
+                                         const at::Tensor& start);
+KVCACHE_API void append_quantized_(at::Tensor& keys, at::Tensor& values,
+                                   at::Tensor& k_scale, at::Tensor& v_scale,
+                                   at::Tensor& lengths,
+                                   const at::Tensor& keys_new,
+                                   const at::Tensor& values_new);
 
 /// kvcache::attend: attention of q (batch, num_heads, seq, head_dim) over the
 /// filled slots [kv_start, lengths) of keys / values; query i of row b sits
@@ -126,7 +163,15 @@ KVCACHE_API KVLayerCache init_kv_layer_cache(int64_t batch_size,
                                              at::ScalarType dtype,
                                              c10::Device device = c10::kCPU);
 
-/// Writes new keys/values into `cache` at [start, start + chunk), in place.
+/// Creates a zero-filled quantized KVLayerCache: keys/values of kv_dtype
+/// (at::kChar for int8, at::kFloat8_e4m3fn for fp8) and float32 scales.
+/// Throws c10::TypeError for another kv_dtype.
+KVCACHE_API KVLayerCache init_quantized_kv_layer_cache(
+    int64_t batch_size, int64_t num_kv_heads, int64_t head_dim,
+    int64_t max_len, at::ScalarType kv_dtype, c10::Device device = c10::kCPU);
+
+/// Writes new keys/values into `cache` at [start, start + chunk), in place
+/// (quantizing them for a quantized cache).
 /// Returns a cache sharing cache's buffers, with length = start + chunk.
 KVCACHE_API KVLayerCache update_kv_layer_cache(const KVLayerCache& cache,
                                                const at::Tensor& keys_new,
@@ -160,8 +205,9 @@ KVCACHE_API KVLayerCache rollback_kv_layer_cache(
     const KVLayerCache& cache, const at::Tensor& n,
     const std::optional<at::Tensor>& kv_start = std::nullopt);
 
-/// Row b takes the filled slots and length of row index[b] ((batch,)
-/// int32/int64: permutations, repeats, subsets), in place. Returns `cache`.
+/// Row b takes the filled slots (and a quantized cache's scales) and length
+/// of row index[b] ((batch,) int32/int64: permutations, repeats, subsets),
+/// in place. Returns `cache`.
 KVCACHE_API KVLayerCache select_rows_kv_layer_cache(const KVLayerCache& cache,
                                                     const at::Tensor& index);
 

@@ -155,8 +155,10 @@ def kvcache_attention(
     if attention_mask is not None:
         _check_mask(attention_mask)
     layer = _registry.layer_of(key, value)
+    k_scale = v_scale = None
     if layer is not None:
         lengths, window = layer.lengths, layer.window
+        k_scale, v_scale = layer.k_scale, layer.v_scale  # a quantized layer's (None otherwise)
         kv_start = None if attention_mask is None else attention_mask.view(-1, 2).select(1, 0)
     else:
         # Keys that hold a contiguous run of tokens ending at the last query.
@@ -170,5 +172,5 @@ def kvcache_attention(
             lengths = total.clamp(max=key_len)
             kv_start = (kv_start - (total - lengths)).clamp(min=0)
     out = _attend_op(query, key, value, lengths, kv_start=kv_start, scale=scaling, window=window,
-                     softcap=float(softcap or 0.0))
+                     softcap=float(softcap or 0.0), k_scale=k_scale, v_scale=v_scale)
     return out.transpose(1, 2), None

@@ -83,10 +83,16 @@ class KVCache(Cache):
             linear kvcache buffers read through ``attend``'s window;
             ``"hf"``: transformers' ``StaticSlidingWindowLayer`` (holds only
             ``min(window, max_cache_len)`` slots).
+        kv_dtype: ``None`` (keys/values in the model's dtype), ``"int8"``
+            or ``"fp8"`` (also ``torch.int8`` / ``torch.float8_e4m3fn``): a
+            quantized cache, about a quarter of fp32's bytes (README
+            "Quantized caches"); needs ``attn_implementation="kvcache"``,
+            which dequantizes in registers (any other is refused at the first
+            update, before anything is written).
 
     Raises:
         TypeError: ``max_cache_len`` or ``batch_size`` not an int, ``dtype``
-            not a ``torch.dtype``.
+            not a ``torch.dtype``, ``kv_dtype`` not one of its spellings.
         ValueError: ``max_cache_len`` not in ``[1, 2**31)``, ``batch_size``
             < 1, an unknown ``sliding_layers``, KV heads that do not split
             across the tensor-parallel ranks (allocated up front only).
@@ -104,6 +110,7 @@ class KVCache(Cache):
         dtype: Optional[torch.dtype] = None,
         device: Optional[Union[str, torch.device]] = None,
         sliding_layers: str = "kvcache",
+        kv_dtype=None,
     ):
         max_cache_len = _api._as_int("max_cache_len", max_cache_len)
         if not 1 <= max_cache_len < 2**31:
@@ -117,6 +124,7 @@ class KVCache(Cache):
         if sliding_layers not in ("kvcache", "hf"):
             raise ValueError(f"sliding_layers must be 'kvcache' or 'hf', got {sliding_layers!r}")
         dev = torch.device(device) if device is not None else None
+        self.kv_dtype = _api._kv_dtype(kv_dtype)
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self.config = text
         self._max_cache_len = max_cache_len
@@ -139,12 +147,12 @@ class KVCache(Cache):
         layers = []
         for i, (t, w) in enumerate(zip(types, windows)):
             if t == "full_attention":
-                layers.append(KVCacheLayer(max_cache_len, 0, i))
+                layers.append(KVCacheLayer(max_cache_len, 0, i, kv_dtype=self.kv_dtype))
             elif t == "sliding_attention":
                 if w is None or w < 1:
                     raise ValueError(f"layer {i} is a sliding_attention layer without a sliding_window in the config")
                 if sliding_layers == "kvcache":
-                    layers.append(KVCacheLayer(max_cache_len, int(w), i))
+                    layers.append(KVCacheLayer(max_cache_len, int(w), i, kv_dtype=self.kv_dtype))
                 else:
                     layers.append(StaticSlidingWindowLayer(max_cache_len=max_cache_len, sliding_window=int(w)))
             elif t in ("linear_attention", "conv"):
@@ -193,6 +201,12 @@ class KVCache(Cache):
         if not self._attn_checked and not _compiling():
             self._attn_checked = True
             impl = getattr(self.config, "_attn_implementation", None)
+            if impl != ATTN_IMPLEMENTATION and self.kv_dtype is not None:
+                self._attn_checked = False
+                raise ValueError(
+                    f"a quantized kvcache.hf.KVCache (kv_dtype={self.kv_dtype}) is read by "
+                    f"attn_implementation='{ATTN_IMPLEMENTATION}' only (it dequantizes in registers), got {impl!r}: "
+                    f"load the model with attn_implementation='{ATTN_IMPLEMENTATION}' (nothing was written)")
             if impl != ATTN_IMPLEMENTATION and any(isinstance(l, KVCacheLayer) for l in self.layers):
                 warnings.warn(
                     f"kvcache.hf.KVCache is used with attn_implementation={impl!r}: attention reads the whole "

@@ -47,9 +47,14 @@ class KVCacheLayer(CacheLayerMixin):
     is_compileable = True
     is_croppable = True
 
-    def __init__(self, max_cache_len: int, window: int = 0, layer_idx: int = 0):
+    def __init__(self, max_cache_len: int, window: int = 0, layer_idx: int = 0, kv_dtype=None):
         super().__init__()
         self.max_cache_len = max_cache_len
+        # A quantized layer: int8 / float8_e4m3fn storage with per-slot float32
+        # scales (k_scale / v_scale, indexed like the slots; README "Quantized caches").
+        self.kv_dtype: Optional[torch.dtype] = _api._kv_dtype(kv_dtype)
+        self.k_scale: Optional[torch.Tensor] = None
+        self.v_scale: Optional[torch.Tensor] = None
         self.window = window
         self.is_sliding = window > 0
         self.layer_idx = layer_idx
@@ -78,14 +83,17 @@ class KVCacheLayer(CacheLayerMixin):
     def allocate(self, batch_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
         """Allocates zeroed buffers and zero lengths (done lazily by the first ``update`` otherwise)."""
         c = _api.init_kv_layer_cache(batch_size, num_kv_heads, head_dim, self.max_cache_len, dtype,
-                                     device=torch.device(device))
+                                     device=torch.device(device), kv_dtype=self.kv_dtype)
         lengths = torch.zeros(batch_size, dtype=torch.int32, device=c.keys.device)  # one per row
-        self._set_buffers(c.keys, c.values, lengths)
+        self._set_buffers(c.keys, c.values, lengths, c.k_scale, c.v_scale)
 
-    def _set_buffers(self, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> None:
+    def _set_buffers(self, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+                     k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> None:
         self.keys, self.values, self.lengths = keys, values, lengths
-        # The same tensors as a kvcache.KVLayerCache: every operation below is the Python API's.
-        self.kv = _api.KVLayerCache(keys, values, lengths)
+        self.k_scale, self.v_scale = k_scale, v_scale
+        # The same tensors as a kvcache.KVLayerCache: every operation below is the Python API's
+        # (a quantized one's writes quantize, and its row selection moves the scales).
+        self.kv = _api.KVLayerCache(keys, values, lengths, k_scale, v_scale)
         self.batch_size, self.num_heads = keys.shape[0], keys.shape[1]
         self.k_head_dim = self.v_head_dim = keys.shape[-1]
         self.dtype, self.device = keys.dtype, keys.device
@@ -93,8 +101,9 @@ class KVCacheLayer(CacheLayerMixin):
         _registry.register(self)
         if not _compiling():
             # Fixed addresses: compiled code and CUDA graphs may keep pointers to them.
-            for t in (keys, values, lengths):
-                torch._dynamo.mark_static_address(t)
+            for t in (keys, values, lengths, k_scale, v_scale):
+                if t is not None:
+                    torch._dynamo.mark_static_address(t)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocates the buffers from the first keys/values (or ``Cache.early_initialization``'s empty ones)."""
@@ -142,6 +151,10 @@ class KVCacheLayer(CacheLayerMixin):
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.kv_dtype is not None:
+            # The quantizing write takes any float dtype and checks everything (nothing written on error).
+            _api.append_kv_layer_cache(self.kv, key_states, value_states)
+            return self.keys, self.values
         if key_states.dtype != self.keys.dtype or value_states.dtype != self.keys.dtype:
             raise TypeError(
                 f"layer {self.layer_idx}: the cache holds {self.keys.dtype} keys/values but the model passed "
@@ -247,7 +260,8 @@ class KVCacheLayer(CacheLayerMixin):
             # Rows k.. keep their own contents; rows ..k take the selection (all at once).
             full = torch.cat((idx, torch.arange(k, b, device=dev)))
             _api.select_rows_kv_layer_cache(self.kv, full)
-            self._set_buffers(self.keys[:k], self.values[:k], self.lengths[:k])
+            scales = (None, None) if self.k_scale is None else (self.k_scale[:k], self.v_scale[:k])
+            self._set_buffers(self.keys[:k], self.values[:k], self.lengths[:k], *scales)
         else:
             self._grow(idx)
 
@@ -270,11 +284,14 @@ class KVCacheLayer(CacheLayerMixin):
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= old_k.shape[0]):
             raise ValueError(f"indices must be in [0, {old_k.shape[0]}), got {idx.tolist()}")
         filled = int(old_len.max()) if old_len.numel() else 0
-        c = _api.init_kv_layer_cache(idx.numel(), old_k.shape[1], old_k.shape[-1], self.max_cache_len, old_k.dtype,
-                                     device=old_k.device)
+        c = _api.init_kv_layer_cache(idx.numel(), old_k.shape[1], old_k.shape[-1], self.max_cache_len,
+                                     old_k.dtype, device=old_k.device, kv_dtype=self.kv_dtype)
         keys, values = c.keys, c.values
         if filled:
             keys[:, :, :filled] = old_k[:, :, :filled].index_select(0, idx)
             values[:, :, :filled] = old_v[:, :, :filled].index_select(0, idx)
         lengths = old_len.index_select(0, idx).clone()
-        self._set_buffers(keys, values, lengths)
+        scales = (None, None)
+        if self.k_scale is not None:  # the scales are indexed like the slots
+            scales = (self.k_scale.index_select(0, idx), self.v_scale.index_select(0, idx))
+        self._set_buffers(keys, values, lengths, *scales)
