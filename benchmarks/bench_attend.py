@@ -32,9 +32,9 @@ capacity of a filled length in one run.
   256 or 4096 filled, the chunk's queries at the last positions): attend
   against SDPA on the prefix with the bottom-right causal mask (enable_gqa,
   and the group folded into the query axis with the mask repeated); each row
-  prints the GFLOP/s reached and its fraction of a same-dtype,
-  same-thread-count GEMM (``torch.mm``, 1024 x 1024 x 1024) measured in the
-  same run.
+  prints the GFLOP/s reached and its fraction of the GEMM rate measured in
+  the same run at the same thread count (``torch.mm``, 1024 x 1024 x 1024,
+  the faster of the row's dtype and float32).
 * ring (batch 1, one query, a wrapped ring of window 4096, sinks 4): attend
   over the ring against attend over a linear cache with the same number of
   visible slots (4096 filled).
@@ -254,11 +254,17 @@ def chunk_mask(seq: int, filled: int) -> torch.Tensor:
 
 
 def gemm_rate(dtype) -> float:
-    """GFLOP/s of torch.mm (1024 x 1024 x 1024) at the current thread count."""
+    """The machine's GEMM rate for `dtype` inputs at the current thread count, GFLOP/s: the faster
+    of torch.mm (1024 x 1024 x 1024) in `dtype` and in float32 (a CPU without native bf16
+    arithmetic runs torch's bf16 mm far below its float32 rate, and attend widens bf16 to float32:
+    the float32 rate is what the machine can do)."""
     n = 1024
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    m = measure_many({"mm": lambda: torch.mm(a, b)}, torch.device("cpu"), 0.3, 3)["mm"]
-    return 2 * n**3 / m["median_us"] / 1e3
+    rates = []
+    for dt in {dtype, torch.float32}:
+        a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
+        m = measure_many({"mm": lambda: torch.mm(a, b)}, torch.device("cpu"), 0.3, 3)["mm"]
+        rates.append(2 * n**3 / m["median_us"] / 1e3)
+    return max(rates)
 
 
 def case_chunk(args, threads):
