@@ -20,6 +20,11 @@ as examples/hf_generate.py). Tables:
 4. SmolLM2 decode ms/token at a 2000-token context, int8 against fp32 (one forward of one token,
    then rollback, so every step sees the same context).
 5. The first 24 greedy tokens after a 300-token prompt, int8 and fp8 against fp32.
+6. (``--emulate``) What the top-1 bar can be met by: the same teacher-forced run through
+   transformers' DynamicCache with an attention that round-trips keys and values through symmetric
+   int8 in plain PyTorch, per token, with one scale per head (kvcache's int8 format) or per block of
+   32 elements (llama.cpp's ``q8_0`` layout), against the same attention without rounding; and the
+   implementation noise floor (the fp32 kvcache against fp32 SDPA over a DynamicCache).
 
 Every timing is the median over interleaved rounds with the min-max spread (common.py); the machine
 may be shared, so run with ``--repeats`` > 1 to see the spread between whole runs too.
@@ -186,6 +191,74 @@ def quality(model, ids):
     return rows
 
 
+FLT_MIN = 1.17549435e-38
+
+
+def _fake_int8(x, block):
+    # Symmetric int8 round trip of every `block` elements of each token (absmax / 127, round half
+    # away from zero), in float64: what a cache of that layout returns.
+    b, h, t, d = x.shape
+    xb = x.double().reshape(b, h, t, d // block, block)
+    scale = (xb.abs().amax(-1, keepdim=True) / 127.0).clamp_min(FLT_MIN)
+    y = (xb / scale).clamp(-127, 127)
+    q = y.sign() * (y.abs() + 0.5).floor()
+    return (q * scale).reshape(b, h, t, d).to(x.dtype)
+
+
+def _register_emulations():
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def make(block):
+        def attention(module, query, key, value, attention_mask, **kwargs):
+            if block:
+                key, value = _fake_int8(key, block), _fake_int8(value, block)
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return attention
+
+    for block in (0, 32, 64):
+        AttentionInterface.register(f"emul_int8_{block}", make(block))
+        AttentionMaskInterface.register(f"emul_int8_{block}", sdpa_mask)
+
+
+@torch.inference_mode()
+def _dynamic_logprobs(model, ids, impl):
+    from transformers import DynamicCache
+
+    model.set_attn_implementation(impl)
+    try:
+        cache = DynamicCache()
+        out = []
+        for s in range(0, ids.shape[1], CHUNK):
+            logits = model(input_ids=ids[:, s : s + CHUNK], past_key_values=cache, use_cache=True).logits
+            out.append(torch.log_softmax(logits.double(), -1))
+        return torch.cat(out, 1)[0]
+    finally:
+        model.set_attn_implementation("kvcache")
+
+
+def emulation_rows(model, ids):
+    """Top-1 agreement the int8 formats allow (emulated in plain PyTorch), and the noise floor."""
+    _register_emulations()
+    base = _dynamic_logprobs(model, ids, "emul_int8_0")
+    ours = teacher_forced_logprobs(model, ids, None)
+    rows = []
+
+    def row(name, lp, ref):
+        kl = (ref.exp() * (ref - lp)).sum(-1).mean().item()
+        top1 = (lp.argmax(-1) == ref.argmax(-1)).double().mean().item() * 100
+        rows.append(dict(compared=name, kl=f"{kl:.2e}", top1=f"{top1:.2f}%"))
+
+    row("fp32 kvcache vs fp32 SDPA (noise floor)", ours, base)
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    row(f"int8, one scale per token and head ({head_dim} elements: kvcache's format), emulated",
+        _dynamic_logprobs(model, ids, "emul_int8_64"), base)
+    row("int8, one scale per 32 elements (llama.cpp q8_0 layout), emulated",
+        _dynamic_logprobs(model, ids, "emul_int8_32"), base)
+    return rows
+
+
 def memory_rows(max_len=4096):
     L, H, D = 30, 3, 64
     fp32 = 2 * L * H * max_len * D * 4
@@ -300,6 +373,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=1, help="whole runs of the timed tables")
     p.add_argument("--skip-model", action="store_true", help="only memory and attend tables")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--emulate", action="store_true", help="also table 6 (what the top-1 bar can be met by)")
+    p.add_argument("--quality-only", action="store_true", help="only the quality tables (1, 5, 6)")
+    p.add_argument("--emulate-only", action="store_true", help="only table 6")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TQDM_DISABLE", "1")
@@ -310,7 +386,7 @@ def main(argv=None) -> int:
 
     print_table("Memory: SmolLM2-135M cache, 4096 slots, batch 1 (scales included)", memory_rows(),
                 ["cache", "MiB", "vs_fp32", "vs_bf16", "meets"])
-    for r in range(args.repeats):
+    for r in range(0 if args.quality_only or args.emulate_only else args.repeats):
         print_table(f"attend decode, 9 heads / 3 KV heads, head_dim 64, bf16 queries (run {r + 1})",
                     attend_rows(args.threads, args.filled, args.min_time),
                     ["filled", "threads", "cache", "wall_us", "vs_bf16", "cpu_us", "cpu_vs_bf16", "meets"])
@@ -323,12 +399,21 @@ def main(argv=None) -> int:
         raise SystemExit(f"the text has {ids.shape[1]} tokens, fewer than --tokens {args.tokens}")
     ids = ids[:, : args.tokens]
     with num_threads(2):
+        if args.emulate_only:
+            print_table(f"Top-1 agreement the int8 layouts allow ({args.tokens} tokens, chunks of {CHUNK}, "
+                        "plain-PyTorch round trip over DynamicCache + SDPA)", emulation_rows(model, ids),
+                        ["compared", "kl", "top1"])
+            return 0
         print_table(f"Quality: SmolLM2-135M teacher-forced over {args.tokens} tokens in chunks of {CHUNK}, "
                     "against the fp32 cache", quality(model, ids),
                     ["cache", "ppl", "ppl_delta", "kl", "top1", "bars", "meets"])
         print_table("Greedy: first 24 tokens after a 300-token prompt", greedy_rows(model, tok),
                     ["cache", "identical_prefix", "meets", "text"])
-    for r in range(args.repeats):
+        if args.emulate:
+            print_table(f"Top-1 agreement the int8 layouts allow ({args.tokens} tokens, chunks of {CHUNK}, "
+                        "plain-PyTorch round trip over DynamicCache + SDPA)", emulation_rows(model, ids),
+                        ["compared", "kl", "top1"])
+    for r in range(0 if args.quality_only else args.repeats):
         print_table(f"SmolLM2-135M decode at a 2000-token context (run {r + 1})",
                     decode_rows(model, ids, args.threads), ["threads", "cache", "context", "ms_per_token",
                                                              "vs_fp32"])

@@ -301,12 +301,43 @@ RingLayerCache init_ring_layer_cache(int64_t batch_size, int64_t num_kv_heads,
           std::move(length), window, sinks, max_step};
 }
 
+RingLayerCache init_quantized_ring_layer_cache(
+    int64_t batch_size, int64_t num_kv_heads, int64_t head_dim, int64_t window,
+    at::ScalarType kv_dtype, c10::Device device, int64_t sinks,
+    int64_t max_step) {
+  TORCH_CHECK_TYPE(kv_dtype == at::kChar || kv_dtype == at::kFloat8_e4m3fn,
+                   "kv_dtype must be torch.int8 or torch.float8_e4m3fn, got ",
+                   c10::toString(kv_dtype));
+  RingLayerCache c = init_ring_layer_cache(batch_size, num_kv_heads, head_dim,
+                                           window, kv_dtype, device, sinks,
+                                           max_step);
+  const auto opts = at::TensorOptions().dtype(at::kFloat).device(device);
+  c.k_scale = at::ones({c.keys.size(0), c.keys.size(1), c.capacity()}, opts);
+  c.v_scale = at::ones({c.keys.size(0), c.keys.size(1), c.capacity()}, opts);
+  return c;
+}
+
 RingKV write_ring_layer_cache(const RingLayerCache& cache,
                               const at::Tensor& keys_new,
                               const at::Tensor& values_new) {
   RingLayerCache c = cache;  // the same tensors: written in place
-  RingKV kv{c.keys, c.values, c.positions, c.length, c.window, c.sinks};
+  RingKV kv{c.keys, c.values, c.positions, c.length, c.window, c.sinks,
+            c.k_scale, c.v_scale};
   const int64_t chunk = keys_new.dim() == 4 ? keys_new.size(2) : 0;
+  // A quantized ring: the chunk quantized into staging first (its checks
+  // name any bad new data before the ring is touched).
+  at::Tensor kq = keys_new, vq = values_new, ks, vs;
+  if (c.quantized()) {
+    TORCH_CHECK_VALUE(keys_new.dim() == 4,
+                      "keys_new must be (batch, num_kv_heads, chunk, head_dim), "
+                      "got shape ", keys_new.sizes());
+    const auto& sz = keys_new.sizes();
+    kq = at::empty(sz, keys_new.options().dtype(c.keys.scalar_type()));
+    vq = at::empty(sz, keys_new.options().dtype(c.keys.scalar_type()));
+    ks = at::empty({sz[0], sz[1], sz[2]}, keys_new.options().dtype(at::kFloat));
+    vs = at::empty({sz[0], sz[1], sz[2]}, keys_new.options().dtype(at::kFloat));
+    update_quantized_(kq, vq, ks, vs, keys_new, values_new, int64_t{0});
+  }
   if (chunk > c.max_step) {
     // The chunk's early queries need keys its own later tokens overwrite in
     // the ring: attend over the ring's slots from before the write (stale
@@ -318,11 +349,22 @@ RingKV write_ring_layer_cache(const RingLayerCache& cache,
                                at::full({}, -1, c.positions.options()));
     at::Tensor fresh = (s + at::arange(chunk, c.positions.options())).expand({batch, chunk});
     kv.positions = at::cat({old, fresh}, 1);
-    kv.keys = at::cat({c.keys, keys_new}, 2);
-    kv.values = at::cat({c.values, values_new}, 2);
+    kv.keys = at::cat({c.keys, kq}, 2);
+    kv.values = at::cat({c.values, vq}, 2);
+    if (c.quantized()) {
+      kv.k_scale = at::cat({c.k_scale, ks}, 2);
+      kv.v_scale = at::cat({c.v_scale, vs}, 2);
+    }
   }
-  c.length.copy_(ring_update_(c.keys, c.values, c.positions, keys_new,
-                              values_new, c.length, c.sinks));
+  at::Tensor length = ring_update_(c.keys, c.values, c.positions, kq, vq,
+                                   c.length, c.sinks);
+  if (c.quantized()) {
+    // Same start and positions as the call above, which checked them.
+    at::Tensor ksv = c.k_scale.unsqueeze(-1), vsv = c.v_scale.unsqueeze(-1);
+    ring_update_(ksv, vsv, c.positions, ks.unsqueeze(-1), vs.unsqueeze(-1),
+                 c.length, c.sinks);
+  }
+  c.length.copy_(length);
   kv.length = c.length;
   return kv;
 }
@@ -333,6 +375,10 @@ at::Tensor attend(const at::Tensor& q, const RingKV& kv,
   o.window = kv.window;
   o.positions = kv.positions;
   o.sinks = kv.sinks;
+  if (kv.k_scale.defined()) {
+    o.k_scale = kv.k_scale;
+    o.v_scale = kv.v_scale;
+  }
   return attend(q, kv.keys, kv.values, kv.length, o);
 }
 

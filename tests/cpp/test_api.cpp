@@ -349,3 +349,56 @@ TEST_CASE("a ring through the C++ API: wraps, long chunks and rollback match the
   REQUIRE_THROWS_AS(kvcache::ring_update_(ring.keys, ring.values, ring.positions, k, k.clone(), bad_start),
                     c10::ValueError);
 }
+
+TEST_CASE("a quantized ring through the C++ API matches a quantized linear cache read with the window",
+          "[api][ring][quant]") {
+  // Both quantize each token the same way (one scale per row, head and slot), so the ring (window
+  // 4, one sink, max_step 2) must attend over exactly the linear cache's dequantized values.
+  const int64_t window = 4;
+  for (auto kv : {at::kChar, at::kFloat8_e4m3fn}) {
+    auto ring = kvcache::init_quantized_ring_layer_cache(1, 1, D, window, kv, c10::kCPU, 1, 2);
+    REQUIRE(ring.quantized());
+    REQUIRE(ring.keys.scalar_type() == kv);
+    REQUIRE(ring.k_scale.sizes() == at::IntArrayRef({1, 1, ring.capacity()}));
+    auto linear = kvcache::init_quantized_kv_layer_cache(1, 1, D, 64, kv);
+    kvcache::AttendOptions lin;
+    lin.window = window;
+    auto step = [&](int64_t chunk) {
+      at::Tensor k = at::randn({1, 1, chunk, D});
+      at::Tensor v = at::randn({1, 1, chunk, D});
+      at::Tensor q = at::randn({1, 2, chunk, D});
+      kvcache::append_kv_layer_cache(linear, k, v);
+      auto rkv = kvcache::write_ring_layer_cache(ring, k, v);
+      at::Tensor got = kvcache::attend(q, rkv);
+      // Reference: float64 attention over the linear cache's dequantized slots with the ring's
+      // rule (position 0 is a sink, always visible; the rest within the window).
+      const int64_t len = linear.length.item<int64_t>();
+      at::Tensor deq_k = linear.keys.narrow(2, 0, len).to(at::kDouble) *
+                         linear.k_scale.narrow(2, 0, len).unsqueeze(-1).to(at::kDouble);
+      at::Tensor deq_v = linear.values.narrow(2, 0, len).to(at::kDouble) *
+                         linear.v_scale.narrow(2, 0, len).unsqueeze(-1).to(at::kDouble);
+      at::Tensor want = at::empty({1, 2, chunk, D}, at::kDouble);
+      for (int64_t i = 0; i < chunk; ++i) {
+        const int64_t p = len - chunk + i;
+        at::Tensor mask = at::zeros({len}, at::kBool);
+        for (int64_t j = 0; j <= p; ++j) mask[j] = (j < 1) || (p - j < window);
+        for (int64_t h = 0; h < 2; ++h) {
+          at::Tensor s = at::matmul(deq_k[0][0], q[0][h][i].to(at::kDouble)) / std::sqrt(double(D));
+          s = s.masked_fill(~mask, -INFINITY);
+          want[0][h][i] = at::matmul(at::softmax(s, 0), deq_v[0][0]);
+        }
+      }
+      REQUIRE(at::allclose(got.to(at::kDouble), want, 1e-4, 1e-5));
+    };
+    for (int64_t i = 0; i < 12; ++i) step(1);
+    step(9);  // longer than the ring (capacity 1 + 4 + 2 - 1 = 6)
+    step(2);
+    // Bad new data is refused before the ring changes.
+    const auto before = ring.keys.clone();
+    REQUIRE_THROWS_AS(kvcache::write_ring_layer_cache(ring, at::randn({1, 1, 1, D}).to(at::kDouble),
+                                                      at::randn({1, 1, 1, D}).to(at::kDouble)),
+                      c10::TypeError);
+    REQUIRE(ring.keys.view(at::kByte).equal(before.view(at::kByte)));
+  }
+  REQUIRE_THROWS_AS(kvcache::init_quantized_ring_layer_cache(1, 1, D, 4, at::kFloat), c10::TypeError);
+}

@@ -235,6 +235,9 @@ constexpr int64_t kDefaultRingMaxStep = 64;
 /// keys, values: (batch, num_kv_heads, capacity, head_dim).
 /// positions:    (batch, capacity) int32.
 /// length:       int32, 0-D or (batch,).
+/// k_scale, v_scale: a quantized ring's (int8 / float8_e4m3fn keys and
+///               values) float32 (batch, num_kv_heads, capacity) per-slot
+///               scales; undefined for a plain ring.
 struct RingLayerCache {
   at::Tensor keys;
   at::Tensor values;
@@ -243,8 +246,12 @@ struct RingLayerCache {
   int64_t window = 1;
   int64_t sinks = 0;
   int64_t max_step = kDefaultRingMaxStep;
+  at::Tensor k_scale;
+  at::Tensor v_scale;
 
   int64_t capacity() const { return keys.size(2); }
+  /// Whether keys/values are quantized (k_scale / v_scale defined).
+  bool quantized() const { return k_scale.defined(); }
 };
 
 /// What a chunk's queries attend over after write_ring_layer_cache: the
@@ -257,6 +264,8 @@ struct RingKV {
   at::Tensor length;  // logical length after the write
   int64_t window = 1;
   int64_t sinks = 0;
+  at::Tensor k_scale;  // a quantized ring's scales (undefined: plain)
+  at::Tensor v_scale;
 };
 
 /// kvcache::ring_update_: writes keys_new / values_new at the logical
@@ -279,15 +288,26 @@ KVCACHE_API RingLayerCache init_ring_layer_cache(
     at::ScalarType dtype, c10::Device device = c10::kCPU, int64_t sinks = 0,
     int64_t max_step = kDefaultRingMaxStep);
 
+/// A quantized ring: keys/values of kv_dtype (at::kChar or
+/// at::kFloat8_e4m3fn) with per-slot float32 scales of 1. Throws
+/// c10::TypeError for another kv_dtype, else as init_ring_layer_cache.
+KVCACHE_API RingLayerCache init_quantized_ring_layer_cache(
+    int64_t batch_size, int64_t num_kv_heads, int64_t head_dim, int64_t window,
+    at::ScalarType kv_dtype, c10::Device device = c10::kCPU, int64_t sinks = 0,
+    int64_t max_step = kDefaultRingMaxStep);
+
 /// Writes a chunk at cache.length (advanced in place) and returns what the
 /// chunk's queries attend over (see RingKV): write-then-attend for any
-/// chunk length, exact.
+/// chunk length, exact. A quantized ring quantizes the chunk into a
+/// chunk-sized staging buffer (update_quantized_) and places data and scales
+/// with ring_update_.
 KVCACHE_API RingKV write_ring_layer_cache(const RingLayerCache& cache,
                                           const at::Tensor& keys_new,
                                           const at::Tensor& values_new);
 
 /// Attention of q over a ring by logical position: options.window,
-/// positions and sinks come from kv (kv_start, scale, softcap from options).
+/// positions and sinks (and a quantized ring's scales) come from kv
+/// (kv_start, scale, softcap from options).
 KVCACHE_API at::Tensor attend(const at::Tensor& q, const RingKV& kv,
                               const AttendOptions& options = {});
 
