@@ -28,6 +28,31 @@ capacity of a filled length in one run.
   (q and the 512-slot prefix views, ``enable_gqa=True``), and against SDPA on
   keys/values already expanded to 32 heads (the expansion not timed).
 
+* chunk (seq 4: speculative verification; seq 128: chunked prefill; batch 1,
+  256 or 4096 filled, the chunk's queries at the last positions): attend
+  against SDPA on the prefix with the bottom-right causal mask (enable_gqa,
+  and the group folded into the query axis with the mask repeated); each row
+  prints the GFLOP/s reached and its fraction of the GEMM rate measured in
+  the same run at the same thread count (``torch.mm``, 1024 x 1024 x 1024,
+  the faster of the row's dtype and float32).
+* ring (batch 1, one query, a wrapped ring of window 4096, sinks 4): attend
+  over the ring against attend over a linear cache with the same number of
+  visible slots (4096 filled).
+* crossover (batch 1, one query, 16 .. 2048 filled): attend forced serial,
+  forced parallel (``kvcache._C.set_attend_cpu_tuning(parallel_work=0)``)
+  and at the default threshold, to measure where helper threads pay.
+
+Every decode row prints the bytes of keys and values the kernel reads, the
+GB/s it reaches and ``bw_frac``: that rate divided by the rate of a
+same-size, same-thread-count streaming read (``x.sum()`` over a float32
+buffer of the same bytes) measured in the same run. Peers: "SDPA prefix
+view" (folded groups), "SDPA prefix, enable_gqa", compiled
+``flex_attention`` with ``--flex`` (compiles per shape: slow), ExecuTorch's
+``custom_sdpa`` when ``executorch`` is importable (skipped otherwise);
+``vs_best`` is attend's time over the fastest peer's. The CPU model and the
+kernel's ISA path head the output. ``--busy`` runs a spinning process
+beside the benchmark (the other core busy).
+
 At 1 thread each method is also timed in CPU time of the calling thread
 (``cpu_us``): on a machine shared with other work, wall time includes the
 waits for a core, CPU time does not. The last tables check the targets of
@@ -37,9 +62,11 @@ issue 9 on both.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import subprocess
 import sys
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +77,7 @@ import kvcache  # noqa: E402
 from common import (  # noqa: E402
     cpu_times,
     add_common_args,
+    l2_bytes,
     environment,
     measure_many,
     num_threads,
@@ -79,20 +107,102 @@ def sdpa_prefix(q, keys, values, filled):
     return out.reshape(b, h, s, d)
 
 
-def decode_methods(filled, capacity, dtype):
+def elem_bytes(dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def stream_read(nbytes: int):
+    """A streaming read of nbytes (x.sum() over a float32 buffer of that size)."""
+    buf = torch.rand(max(1, nbytes // 4))
+    return lambda: buf.sum()
+
+
+def sdpa_prefix_gqa(q, keys, values, filled, mask=None):
+    return F.scaled_dot_product_attention(q, keys[:, :, :filled], values[:, :, :filled], attn_mask=mask,
+                                          enable_gqa=True)
+
+
+_FLEX = {}
+
+
+def flex_peer(q, keys, values, filled):
+    """Compiled flex_attention on the prefix (GQA), or None where it does not compile on this CPU."""
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+    except ImportError:
+        return None
+    if "fn" not in _FLEX:
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    fn = _FLEX["fn"]
+    kp, vp = keys[:, :, :filled], values[:, :, :filled]
+
+    def run():
+        return fn(q, kp, vp, enable_gqa=True)
+
+    try:
+        run()
+    except Exception as e:  # noqa: BLE001 - any compile failure: no peer
+        print(f"(flex_attention skipped: {type(e).__name__}: {str(e).splitlines()[0][:120]})")
+        return None
+    return run
+
+
+def executorch_peer(q, keys, values, filled):
+    """ExecuTorch's CPU custom_sdpa (layout (b, s, h, d), start_pos), or None when not importable."""
+    try:
+        import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
+        op = torch.ops.llama.custom_sdpa
+    except Exception:  # noqa: BLE001 - not installed, or a torch pin mismatch
+        return None
+    seq = q.shape[2]
+    qt = q.transpose(1, 2).contiguous()
+    kt = keys.transpose(1, 2).contiguous()
+    vt = values.transpose(1, 2).contiguous()
+    return lambda: op(qt, kt, vt, filled - seq, None, 0.0, True)
+
+
+def decode_methods(filled, capacity, dtype, args=None, peers=True):
     keys, values = make_cache(1, capacity, dtype)
     q = torch.randn(1, HEADS, 1, HEAD_DIM).to(dtype)
     lengths = torch.tensor([filled], dtype=torch.int32)
     positions = torch.tensor([[filled - 1]])
-    return {
+    fns = {
         "kvcache attend": lambda: ATTEND(q, keys, values, lengths),
         "SDPA prefix view": lambda: sdpa_prefix(q, keys, values, filled),
-        "masked SDPA, whole buffer": lambda: grouped_attention(q, keys, values, positions),
     }
+    if peers:
+        fns["SDPA prefix, enable_gqa"] = lambda: sdpa_prefix_gqa(q, keys, values, filled)
+        fns["masked SDPA, whole buffer"] = lambda: grouped_attention(q, keys, values, positions)
+        if args is not None and args.flex:
+            f = flex_peer(q, keys, values, filled)
+            if f is not None:
+                fns["flex_attention (compiled)"] = f
+        e = executorch_peer(q, keys, values, filled)
+        if e is not None:
+            fns["ExecuTorch custom_sdpa"] = e
+        fns["stream read (same bytes)"] = stream_read(2 * KV_HEADS * filled * HEAD_DIM * elem_bytes(dtype))
+    return fns
+
+
+PEERS = ("SDPA prefix view", "SDPA prefix, enable_gqa", "flex_attention (compiled)", "ExecuTorch custom_sdpa")
 
 
 def ratio(res, a, b, key="median_us"):
     return res[a][key] / res[b][key]
+
+
+def add_limits(r: Dict, row: Dict, name: str, kv_bytes: int) -> None:
+    """bytes, GB/s, bw_frac and vs_best for method `name` of one measured set `r`."""
+    t = r[name]["median_us"]
+    row["kv_MB"] = kv_bytes / 1e6
+    row["GB_s"] = kv_bytes / t / 1e3
+    if "stream read (same bytes)" in r:
+        row["bw_frac"] = r["stream read (same bytes)"]["median_us"] / t
+    peers = [r[p]["median_us"] for p in PEERS if p in r]
+    if peers:
+        best = min(peers)
+        row["best_peer"] = next(p for p in PEERS if p in r and r[p]["median_us"] == best)
+        row["vs_best"] = t / best
 
 
 def measure(fns: Dict, args, threads: int, scale: float = 1.0) -> Dict:
@@ -107,28 +217,155 @@ def measure(fns: Dict, args, threads: int, scale: float = 1.0) -> Dict:
 def case_decode(args, threads):
     # Every capacity of one filled length is measured in one interleaved
     # run, so the capacity comparison does not ride on drift between runs.
-    filled_caps = {256: [512, 4096, 32768], 4096: [4096, 32768]}
+    filled_caps = {256: [512, 4096, 32768], 4096: [4096, 32768], 16384: [16384]}
     if args.quick:
         filled_caps = {256: [512, 32768]}
     out = []
     for dtype_name in args.dtypes:
+        dtype = DTYPES[dtype_name]
         for filled, caps in filled_caps.items():
             fns = {}
             for cap in caps:
-                for name, fn in decode_methods(filled, cap, DTYPES[dtype_name]).items():
+                for name, fn in decode_methods(filled, cap, dtype, args).items():
                     fns[(cap, name)] = fn
             res = measure(fns, args, threads, len(caps))
+            kv_bytes = 2 * KV_HEADS * filled * HEAD_DIM * elem_bytes(dtype)
             for cap in caps:
                 r = {name: m for (c, name), m in res.items() if c == cap}
                 for name, m in r.items():
+                    if name == "stream read (same bytes)":
+                        continue
                     row = dict(case="decode", threads=threads, dtype=dtype_name, filled=filled, capacity=cap,
                                method=name, **m,
                                vs_prefix_sdpa=ratio(r, name, "SDPA prefix view"),
                                masked_over_this=ratio(r, "masked SDPA, whole buffer", name))
+                    if name == "kvcache attend":
+                        add_limits(r, row, name, kv_bytes)
                     if threads == 1:
                         row["cpu_vs_prefix_sdpa"] = ratio(r, name, "SDPA prefix view", "cpu_us")
                         row["cpu_masked_over_this"] = ratio(r, "masked SDPA, whole buffer", name, "cpu_us")
                     out.append(row)
+    return out
+
+
+def chunk_mask(seq: int, filled: int) -> torch.Tensor:
+    """Bottom-right causal mask: query i (position filled - seq + i) sees slots <= its position."""
+    return torch.arange(filled)[None, :] <= (torch.arange(seq)[:, None] + filled - seq)
+
+
+def gemm_rate(dtype) -> float:
+    """The machine's GEMM rate for `dtype` inputs at the current thread count, GFLOP/s: the faster
+    of torch.mm (1024 x 1024 x 1024) in `dtype` and in float32 (a CPU without native bf16
+    arithmetic runs torch's bf16 mm far below its float32 rate, and attend widens bf16 to float32:
+    the float32 rate is what the machine can do)."""
+    n = 1024
+    rates = []
+    for dt in {dtype, torch.float32}:
+        a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
+        m = measure_many({"mm": lambda: torch.mm(a, b)}, torch.device("cpu"), 0.3, 3)["mm"]
+        rates.append(2 * n**3 / m["median_us"] / 1e3)
+    return max(rates)
+
+
+def case_chunk(args, threads):
+    seqs, filleds = (4, 128), (256, 4096)
+    if args.quick:
+        filleds = (256,)
+    out = []
+    for dtype_name in args.dtypes:
+        dtype = DTYPES[dtype_name]
+        rate = gemm_rate(dtype)
+        for seq in seqs:
+            for filled in filleds:
+                keys, values = make_cache(1, filled, dtype)
+                q = torch.randn(1, HEADS, seq, HEAD_DIM).to(dtype)
+                lengths = torch.tensor([filled], dtype=torch.int32)
+                mask = chunk_mask(seq, filled)
+                group = HEADS // KV_HEADS
+                mask_folded = mask.repeat(group, 1)
+                qf = q.reshape(1, KV_HEADS, group * seq, HEAD_DIM)
+                fns = {
+                    "kvcache attend": lambda: ATTEND(q, keys, values, lengths),
+                    "SDPA prefix, enable_gqa": lambda: sdpa_prefix_gqa(q, keys, values, filled, mask),
+                    "SDPA prefix view": lambda: F.scaled_dot_product_attention(qf, keys, values,
+                                                                               attn_mask=mask_folded),
+                }
+                e = executorch_peer(q, keys, values, filled)
+                if e is not None:
+                    fns["ExecuTorch custom_sdpa"] = e
+                res = measure(fns, args, threads)
+                visible = sum(filled - seq + i + 1 for i in range(seq))
+                flops = 4.0 * HEADS * HEAD_DIM * visible  # Q.K and P.V, 2 flops a multiply-add
+                for name, m in res.items():
+                    row = dict(case="chunk", threads=threads, dtype=dtype_name, seq=seq, filled=filled,
+                               method=name, **m, GFLOP_s=flops / m["median_us"] / 1e3, gemm_GFLOP_s=rate)
+                    row["gemm_frac"] = row["GFLOP_s"] / rate
+                    if name == "kvcache attend":
+                        add_limits(res, row, name, 2 * KV_HEADS * filled * HEAD_DIM * elem_bytes(dtype))
+                    out.append(row)
+    return out
+
+
+def case_ring(args, threads):
+    window, sinks = 4096, 4
+    out = []
+    for dtype_name in args.dtypes:
+        dtype = DTYPES[dtype_name]
+        g = torch.Generator().manual_seed(0)
+        ring = kvcache.init_ring_layer_cache(1, KV_HEADS, HEAD_DIM, window, dtype, sinks=sinks)
+        context = window + 1000  # wrapped
+        k = torch.randn(1, KV_HEADS, context, HEAD_DIM, generator=g).to(dtype)
+        kvcache.write_ring_layer_cache(ring, k, k * 0.5)  # writes the ring in place
+        q = torch.randn(1, HEADS, 1, HEAD_DIM, generator=g).to(dtype)
+        lin = decode_methods(window, window, dtype, peers=False)
+        fns = {
+            "kvcache attend, ring": lambda: kvcache.attend(q, ring),
+            "kvcache attend, linear (same visible count)": lin["kvcache attend"],
+            "stream read (same bytes)": stream_read(2 * KV_HEADS * window * HEAD_DIM * elem_bytes(dtype)),
+        }
+        res = measure(fns, args, threads)
+        kv_bytes = 2 * KV_HEADS * window * HEAD_DIM * elem_bytes(dtype)
+        for name, m in res.items():
+            if name.startswith("stream"):
+                continue
+            row = dict(case="ring", threads=threads, dtype=dtype_name, window=window, sinks=sinks, method=name,
+                       **m, vs_linear=ratio(res, name, "kvcache attend, linear (same visible count)"))
+            add_limits(res, row, name, kv_bytes)
+            out.append(row)
+    return out
+
+
+def case_crossover(args, threads):
+    """Serial against forced-parallel attend over short rows: where helper threads start to pay."""
+    if threads < 2:
+        return []
+    set_tuning = kvcache._C.set_attend_cpu_tuning
+    default = kvcache._C.attend_cpu_tuning()["parallel_work"]
+    filleds = (16, 32, 64, 128, 256, 512, 1024, 2048) if not args.quick else (64, 256, 1024)
+    out = []
+    try:
+        for dtype_name in args.dtypes:
+            dtype = DTYPES[dtype_name]
+            fns = {}
+            for filled in filleds:
+                f = decode_methods(filled, filled, dtype, peers=False)["kvcache attend"]
+                for name, work in (("serial", 1e300), ("parallel", 0.0), ("default", default)):
+                    def run(f=f, work=work):
+                        set_tuning(parallel_work=work)
+                        return f()
+                    fns[(filled, name)] = run
+            res = measure(fns, args, threads)
+            for filled in filleds:
+                s, p, d = (res[(filled, n)]["median_us"] for n in ("serial", "parallel", "default"))
+                out.append(dict(case="crossover", threads=threads, dtype=dtype_name, filled=filled,
+                                serial_us=s, parallel_us=p, default_us=d, parallel_over_serial=p / s,
+                                default_over_best=d / min(s, p),
+                                serial_spread=f"{res[(filled, 'serial')]['min_us']:.0f}-"
+                                              f"{res[(filled, 'serial')]['max_us']:.0f}",
+                                parallel_spread=f"{res[(filled, 'parallel')]['min_us']:.0f}-"
+                                                f"{res[(filled, 'parallel')]['max_us']:.0f}"))
+    finally:
+        set_tuning(parallel_work=default)
     return out
 
 
@@ -200,7 +437,16 @@ def case_prefill(args, threads):
 CASES = {
     "decode": (case_decode, "decode, batch 1, 32/8 heads, head_dim 128, µs",
                ["dtype", "filled", "capacity", "method", "median_us", "min_us", "max_us", "cpu_us",
-                "vs_prefix_sdpa", "cpu_vs_prefix_sdpa", "masked_over_this"]),
+                "vs_prefix_sdpa", "cpu_vs_prefix_sdpa", "masked_over_this", "kv_MB", "GB_s", "bw_frac",
+                "best_peer", "vs_best"]),
+    "chunk": (case_chunk, "chunks (seq 4, 128), batch 1, 32/8 heads, head_dim 128, µs",
+              ["dtype", "seq", "filled", "method", "median_us", "min_us", "max_us", "GFLOP_s", "gemm_GFLOP_s",
+               "gemm_frac", "GB_s", "bw_frac", "best_peer", "vs_best"]),
+    "ring": (case_ring, "ring decode (window 4096, sinks 4, wrapped) against linear, batch 1, µs",
+             ["dtype", "method", "median_us", "min_us", "max_us", "vs_linear", "GB_s", "bw_frac"]),
+    "crossover": (case_crossover, "serial vs parallel decode over short rows, batch 1, µs",
+                  ["dtype", "filled", "serial_us", "serial_spread", "parallel_us", "parallel_spread",
+                   "default_us", "parallel_over_serial", "default_over_best"]),
     "ragged": (case_ragged, "ragged decode, batch 8, lengths 64..4096, capacity 4096, µs",
                ["dtype", "method", "median_us", "min_us", "max_us", "cpu_us", "vs_per_row_sdpa",
                 "cpu_vs_per_row_sdpa"]),
@@ -263,8 +509,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python benchmarks/bench_attend.py", description=__doc__.splitlines()[0])
     add_common_args(p)
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=sorted(DTYPES))
-    p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    p.add_argument("--cases", nargs="+", default=["decode", "chunk", "ragged", "prefill", "ring"],
+                   choices=list(CASES))
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per case (spread = their range)")
+    p.add_argument("--flex", action="store_true", help="also time compiled flex_attention (compiles per shape)")
+    p.add_argument("--busy", action="store_true", help="run a spinning process beside the benchmark")
     args = p.parse_args(argv)
     if args.device != "cpu":
         p.error("bench_attend.py measures the CPU kernel (--device cpu)")
@@ -274,13 +523,50 @@ def parse_args(argv=None):
     return args
 
 
+@contextlib.contextmanager
+def busy_core(on: bool):
+    """A spinning child process for the block (the other core busy), or nothing."""
+    proc: Optional[subprocess.Popen] = None
+    if on:
+        proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+
+
+def issue22_targets(rows: List[dict], threads: int) -> List[dict]:
+    """Issue 22's bars, from the rows measured at `threads`."""
+    out = []
+    l2 = l2_bytes()
+    for r in rows:
+        if r["threads"] != threads or r.get("method") != "kvcache attend" or "vs_best" not in r:
+            continue
+        name = f"{r['dtype']} {r['case']} " + (f"seq {r['seq']} " if "seq" in r else "") + f"filled {r['filled']}"
+        if r["case"] == "decode":
+            name += f" cap {r['capacity']}"
+        out.append(dict(target=f"{name}: attend / best peer ({r['best_peer']})", goal="<= 0.9",
+                        measured=r["vs_best"], met="yes" if r["vs_best"] <= 0.9 else "NO"))
+        if r["case"] == "decode" and r["kv_MB"] * 1e6 > l2 and "bw_frac" in r:
+            out.append(dict(target=f"{name}: streaming-read fraction", goal=">= 0.8", measured=r["bw_frac"],
+                            met="yes" if r["bw_frac"] >= 0.8 else "NO"))
+        if r["case"] == "chunk" and r["seq"] == 128:
+            out.append(dict(target=f"{name}: GEMM-rate fraction", goal=">= 0.6", measured=r["gemm_frac"],
+                            met="yes" if r["gemm_frac"] >= 0.6 else "NO"))
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     env = environment(torch.device("cpu"))
     print(f"## kvcache attend benchmarks: torch {env['torch']}, cpu, default {env['default_threads']} threads, "
           f"{args.rounds} rounds of {args.min_time / args.rounds:.2f} s per method")
+    print(f"CPU: {env['cpu_model']}; attend kernel ISA: {env['attend_isa']}; L2 {l2_bytes() // 1024} KiB"
+          f"{'; a spinning process beside the benchmark (--busy)' if args.busy else ''}")
     rows: List[dict] = []
-    with torch.inference_mode():
+    with torch.inference_mode(), busy_core(args.busy):
         for case in args.cases:
             fn, title, cols = CASES[case]
             for t in thread_settings(args.threads):
@@ -290,8 +576,14 @@ def main(argv=None) -> int:
                 print_table(f"{title}, {actual} thread(s)", r, cols)
     for t in sorted({r["threads"] for r in rows}):
         cols = ["target", "goal", "measured", "met"] + (["cpu_time", "met_cpu"] if t == 1 else [])
+        if not targets(rows, t):
+            continue
         print_table(f"targets (issue 9), {t} thread(s): measured = ratio of wall-time medians"
                     + ("; cpu_time = ratio of CPU-time medians" if t == 1 else ""), targets(rows, t), cols)
+    for t in sorted({r["threads"] for r in rows}):
+        tg = issue22_targets(rows, t)
+        if tg:
+            print_table(f"targets (issue 22), {t} thread(s)", tg, ["target", "goal", "measured", "met"])
     write_json(args.json, env, args, rows)
     return 0
 

@@ -47,7 +47,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import cpu_times, measure_many, num_threads, print_table  # noqa: E402
+from common import attend_isa, cpu_times, measure_many, num_threads, print_table  # noqa: E402
 
 import kvcache  # noqa: E402
 
@@ -121,15 +121,8 @@ def cpu_model() -> str:
 
 
 def kernel_isa() -> str:
-    """The CPU attend kernel's flavour: avx2 (AVX2/FMA/F16C at run time) unless forced generic."""
-    if os.environ.get("KVCACHE_ATTEND_ISA") == "generic":
-        return "generic (forced)"
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        flags = []
-    return "avx2+fma+f16c" if {"avx2", "fma", "f16c"} <= set(flags) else "generic"
+    """The CPU attend kernel's path, asked of the loaded library (common.attend_isa)."""
+    return attend_isa()
 
 
 def corpus_text() -> str:

@@ -31,6 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kvcache  # noqa: E402
 from common import (  # noqa: E402
     add_common_args,
+    attend_isa,
+    cpu_model,
     environment,
     measure_many,
     num_threads,
@@ -41,31 +43,6 @@ from common import (  # noqa: E402
 )
 
 HEADS, KV_HEADS, D, WINDOW = 8, 2, 128, 4096
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "unknown"
-
-
-def attend_isa() -> str:
-    """The ISA the CPU attend kernel picks (csrc/cpu/attend.cpp: AVX2+FMA+F16C when present)."""
-    if os.environ.get("KVCACHE_ATTEND_ISA") == "generic":
-        return "generic (forced)"
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        flags = []
-    return "avx2+fma+f16c" if {"avx2", "fma", "f16c"} <= set(flags) else "generic"
 
 
 def full_ring(context: int, g: torch.Generator):

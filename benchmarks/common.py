@@ -125,8 +125,47 @@ def spread(row: dict) -> str:
     return f"{_fmt(row['median_us'])} ({_fmt(row['min_us'])}-{_fmt(row['max_us'])})"
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), or platform.processor() elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def attend_isa() -> str:
+    """The instruction-set path the CPU attend kernel takes (asked of the loaded library)."""
+    fn = getattr(kvcache._C, "attend_cpu_isa", None)
+    isa = fn() if fn is not None else "unknown"
+    forced = os.environ.get("KVCACHE_ATTEND_ISA")
+    return f"{isa} (KVCACHE_ATTEND_ISA={forced})" if forced else isa
+
+
+def l2_bytes() -> int:
+    """Per-core L2 cache size in bytes (sysfs; 512 KiB when unknown)."""
+    try:
+        for idx in range(8):
+            base = f"/sys/devices/system/cpu/cpu0/cache/index{idx}"
+            with open(f"{base}/level") as f:
+                if f.read().strip() != "2":
+                    continue
+            with open(f"{base}/size") as f:
+                text = f.read().strip()
+            mult = {"K": 1024, "M": 1024 * 1024}.get(text[-1], 1)
+            return int(text.rstrip("KM")) * mult
+    except (OSError, ValueError):
+        pass
+    return 512 * 1024
+
+
 def environment(device: torch.device) -> dict:
     return dict(
+        cpu_model=cpu_model(),
+        attend_isa=attend_isa() if device.type == "cpu" else None,
         torch=torch.__version__,
         device=str(device),
         python=platform.python_version(),

@@ -4,12 +4,14 @@
 // positions, range of slots), each an online softmax over the slots its
 // queries see (attend_kernel.h); rows long enough to leave threads idle are
 // split along their slots, and the splits merged at the end. The inner
-// loops exist twice, for the baseline ISA and for AVX2/FMA/F16C (chosen at
-// run time: the build passes no -march flag), see attend_vec.h.
+// loops exist three times, for the baseline ISA, for AVX2/FMA/F16C and for
+// AVX-512 F/BW/VL (chosen at run time: the build passes no -march flag;
+// KVCACHE_ATTEND_ISA caps the choice), see attend_vec.h.
 //
-// Threads: a call goes parallel only when its estimated work is well above
-// the cost of waking a thread (kParallelWork); a decode step over a short
-// cache runs on the calling thread. The helpers come from ATen's inter-op
+// Threads: a call goes parallel only when its estimated work is above the
+// cost of waking a thread (AttendCpuTuning::parallel_work, measured with
+// benchmarks/bench_attend.py --cases crossover); a decode step over a
+// short cache runs on the calling thread. The helpers come from ATen's inter-op
 // pool and join when they get a core, so the caller never waits for a
 // thread that is not running (an OpenMP region does, which costs
 // milliseconds on a loaded machine; see helpers.h). All threads take
@@ -25,10 +27,14 @@
 #include <exception>
 #include <limits>
 #include <memory>
+#include <stdexcept>
+#include <string>
 #include <numeric>
 #include <thread>
 #include <type_traits>
 #include <vector>
+
+#include "kvcache/attend_cpu.h"
 
 #include "../core/visibility.h"
 #include "../ops/attend.h"
@@ -57,6 +63,14 @@ using Vec = VecAvx2;
 #include "attend_kernel.h"  // NOLINT(build/include): instantiated per ISA
 }  // namespace isa_avx2
 #pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+namespace isa_avx512 {
+using Vec = VecAvx512;
+#include "attend_kernel.h"  // NOLINT(build/include): instantiated per ISA
+}  // namespace isa_avx512
+#pragma GCC pop_options
 #endif
 
 namespace {
@@ -65,30 +79,81 @@ namespace {
 // key/value block from L1 many times, few enough to keep the scores,
 // outputs and queries of the task in L2.
 constexpr int64_t kTileRows = 64;
-// Estimated work (see work_of) above which a call uses helper threads:
-// about 0.2 ms of single-thread work on an AVX2 core, against tens of
-// microseconds to wake a helper.
-constexpr double kParallelWork = 8e5;
-// A split of a row's slots is at least this long (a multiple of kBlock).
-constexpr int64_t kMinSplit = 8 * kBlock;
+// Default estimated work (see work_of) above which a call uses helper
+// threads: 2e5 units, about 50 us of single-thread AVX2 work, where a
+// helper's wake-up costs about 10-20 us on an idle core; a batch-1 decode
+// with 32/8 heads, head_dim 128 goes parallel from about 128 (fp32) or 192
+// (bf16) filled slots. Measured (bench_attend.py --cases crossover) on a
+// 2-vCPU Zen3 shared with other work (load 5): parallel paid only from
+// ~1024 filled (~1.6e6 units), and at 256 filled cost 1.1-1.3x serial; a
+// quiet machine could not be measured here. Where cores are oversubscribed,
+// raise it with KVCACHE_ATTEND_PARALLEL_WORK.
+constexpr double kDefaultParallelWork = 2e5;
+// Default fewest slots in a split of a row: two blocks; the merge of a
+// split costs about one block's output update.
+constexpr int64_t kDefaultMinSplit = 2 * kBlock;
 // Tasks per thread the splitting aims for (load balance).
 constexpr int64_t kTasksPerThread = 4;
 
-bool use_avx2() {
+double env_double(const char* name, double fallback) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return fallback;
+  char* end = nullptr;
+  const double v = std::strtod(env, &end);
+  return (end != nullptr && *end == '\0' && v >= 0.0) ? v : fallback;
+}
+
+// The settings (kvcache/attend_cpu.h): read by every call, replaced only by
+// set_attend_cpu_tuning (benchmarks, tests).
+std::atomic<double>& parallel_work_setting() {
+  static std::atomic<double> v{env_double("KVCACHE_ATTEND_PARALLEL_WORK", kDefaultParallelWork)};
+  return v;
+}
+std::atomic<int64_t>& min_split_setting() {
+  static std::atomic<int64_t> v{std::max<int64_t>(
+      1, static_cast<int64_t>(env_double("KVCACHE_ATTEND_MIN_SPLIT", double(kDefaultMinSplit))))};
+  return v;
+}
+
+enum class Isa { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
+
+// The best path this CPU runs, capped by KVCACHE_ATTEND_ISA (generic, avx2
+// or avx512; read once): tests force each path the machine has. A cap above
+// what the CPU has is the CPU's best.
+Isa isa() {
 #if KVCACHE_ATTEND_X86
-  static const bool ok = [] {
-    // KVCACHE_ATTEND_ISA=generic forces the portable code (tests use it).
-    const char* env = std::getenv("KVCACHE_ATTEND_ISA");
-    if (env != nullptr && std::strcmp(env, "generic") == 0) return false;
+  static const Isa chosen = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
+    Isa best = Isa::kGeneric;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c")) {
+      best = Isa::kAvx2;
+      if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+          __builtin_cpu_supports("avx512vl")) {
+        best = Isa::kAvx512;
+      }
+    }
+    Isa cap = Isa::kAvx512;
+    const char* env = std::getenv("KVCACHE_ATTEND_ISA");
+    if (env != nullptr && std::strcmp(env, "generic") == 0) cap = Isa::kGeneric;
+    if (env != nullptr && std::strcmp(env, "avx2") == 0) cap = Isa::kAvx2;
+    return std::min(best, cap);
   }();
-  return ok;
+  return chosen;
 #else
-  return false;
+  return Isa::kGeneric;
 #endif
 }
+
+const char* isa_name(Isa i) {
+  switch (i) {
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    default: return "generic";
+  }
+}
+
+int isa_lanes(Isa i) { return i == Isa::kAvx512 ? 16 : 8; }
 
 // Visible slots [lo, hi) of the query at position i of row b (lo == hi:
 // none). A ring's queries may see any slot: [0, max_len), read by position.
@@ -106,11 +171,36 @@ void visible(const AttendParams& p, int64_t b, int64_t i, int64_t& lo, int64_t& 
 // Rings: whether each query of row b finds every position the rule asks
 // for (visible_count) among the row's slots. One that does not (the ring
 // lost a position it needs: a rollback or a chunk beyond the ring's bound)
-// gets NaN rather than a silently different answer. O(max_len log max_len)
-// per row: the counts come from the row's sorted positions.
+// gets NaN rather than a silently different answer. O(seq x max_len) per
+// row for a few queries, else O(max_len log max_len) from the row's sorted
+// positions.
 std::vector<char> ring_missing(const AttendParams& p) {
   std::vector<char> bad(static_cast<size_t>(p.batch * p.seq), 0);
   std::vector<int64_t> sorted;
+  // A few queries (decode, speculative verification): count each query's
+  // visible positions in one pass over the row's slots (O(seq x max_len),
+  // no sort; positions are unique, so the count is the same).
+  constexpr int64_t kDirectCount = 8;
+  if (p.seq <= kDirectCount) {
+    for (int64_t b = 0; b < p.batch; ++b) {
+      const int32_t* pos = p.positions + b * p.pos_stride[0];
+      const int64_t first = p.host_kv_start ? p.host_kv_start[b] : 0;
+      const int64_t len = p.host_lengths[b];
+      int64_t have[kDirectCount] = {};
+      for (int64_t j = 0; j < p.max_len; ++j) {
+        const int64_t q = pos[j * p.pos_stride[1]];
+        if (q < 0) continue;
+        for (int64_t i = 0; i < p.seq; ++i) {
+          have[i] += detail::sees(q, len - p.seq + i, first, p.window, p.sinks) ? 1 : 0;
+        }
+      }
+      for (int64_t i = 0; i < p.seq; ++i) {
+        bad[b * p.seq + i] =
+            have[i] != detail::visible_count(len - p.seq + i, first, p.window, p.sinks);
+      }
+    }
+    return bad;
+  }
   for (int64_t b = 0; b < p.batch; ++b) {
     sorted.clear();
     const int32_t* pos = p.positions + b * p.pos_stride[0];
@@ -196,10 +286,12 @@ void attend_typed(const AttendParams& p) {
   plan.p = &p;
   plan.group = p.num_heads / p.num_kv_heads;
   plan.dim = p.head_dim;
-  plan.dim_pad = (p.head_dim + 7) / 8 * 8;
+  const Isa path = isa();
+  const int64_t lanes = isa_lanes(path);
+  plan.dim_pad = (p.head_dim + lanes - 1) / lanes * lanes;
   plan.tile = std::clamp<int64_t>(kTileRows / plan.group, 1, p.seq);
-  plan.fast_k = p.k_stride[3] == 1 && p.head_dim % 8 == 0;
-  plan.fast_v = p.v_stride[3] == 1 && p.head_dim % 8 == 0;
+  plan.fast_k = p.k_stride[3] == 1 && p.head_dim % lanes == 0;
+  plan.fast_v = p.v_stride[3] == 1 && p.head_dim % lanes == 0;
   plan.ring = p.positions != nullptr;
   if (p.softcap > 0.f) {
     plan.qscale = p.scale / p.softcap;
@@ -209,7 +301,11 @@ void attend_typed(const AttendParams& p) {
   }
   TaskFn task_fn = plan.ring ? &isa_generic::run_task_ring<T, TKV> : &isa_generic::run_task<T, TKV>;
 #if KVCACHE_ATTEND_X86
-  if (use_avx2()) task_fn = plan.ring ? &isa_avx2::run_task_ring<T, TKV> : &isa_avx2::run_task<T, TKV>;
+  if (path == Isa::kAvx2) {
+    task_fn = plan.ring ? &isa_avx2::run_task_ring<T, TKV> : &isa_avx2::run_task<T, TKV>;
+  } else if (path == Isa::kAvx512) {
+    task_fn = plan.ring ? &isa_avx512::run_task_ring<T, TKV> : &isa_avx512::run_task<T, TKV>;
+  }
 #endif
 
   // Tasks: (row, KV head, tile), each over the slots its queries see.
@@ -242,7 +338,8 @@ void attend_typed(const AttendParams& p) {
   }
 
   const int64_t threads = at::get_num_threads();
-  const bool parallel = threads > 1 && total > kParallelWork && !at::in_parallel_region();
+  const bool parallel = threads > 1 && total > parallel_work_setting().load() &&
+                        !at::in_parallel_region();
 
   // Split long rows when there are too few tasks to keep the threads busy
   // (decode of a small batch): one part per kBlock-aligned range.
@@ -256,8 +353,9 @@ void attend_typed(const AttendParams& p) {
     if (static_cast<int64_t>(tasks.size()) < want) {
       int64_t slots_total = 0;
       for (const Task& t : tasks) slots_total += t.j1 - t.j0;
+      const int64_t min_split = (min_split_setting().load() + kBlock - 1) / kBlock * kBlock;
       const int64_t target = std::max<int64_t>(
-          kMinSplit, (slots_total / want + kBlock - 1) / kBlock * kBlock);
+          min_split, (slots_total / want + kBlock - 1) / kBlock * kBlock);
       std::vector<Task> split_tasks;
       std::vector<double> split_work;
       int64_t parts_total = 0;
@@ -291,7 +389,7 @@ void attend_typed(const AttendParams& p) {
     }
   }
 
-  if (!parallel) {
+  if (!parallel || tasks.size() < 2) {
     Scratch scratch(plan);
     for (const Task& t : tasks) task_fn(plan, t, scratch);
   } else {
@@ -347,6 +445,24 @@ void attend_cpu_kernel(const AttendParams& p) {
 
 }  // namespace
 }  // namespace attend_cpu
+
+AttendCpuTuning attend_cpu_tuning() {
+  return {attend_cpu::parallel_work_setting().load(), attend_cpu::min_split_setting().load()};
+}
+
+void set_attend_cpu_tuning(const AttendCpuTuning& tuning) {
+  if (!(tuning.parallel_work >= 0.0)) {
+    throw std::invalid_argument("set_attend_cpu_tuning: parallel_work must be >= 0");
+  }
+  if (tuning.min_split < 1) {
+    throw std::invalid_argument("set_attend_cpu_tuning: min_split must be >= 1");
+  }
+  attend_cpu::parallel_work_setting().store(tuning.parallel_work);
+  attend_cpu::min_split_setting().store(tuning.min_split);
+}
+
+std::string attend_cpu_isa() { return attend_cpu::isa_name(attend_cpu::isa()); }
+
 }  // namespace kvcache
 
 KVCACHE_REGISTER_KERNEL(attend_stub, cpu, &kvcache::attend_cpu::attend_cpu_kernel);

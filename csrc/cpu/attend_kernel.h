@@ -1,9 +1,13 @@
 // One task of the CPU attend kernel, written once for any vector flavour.
 //
-// NOT a normal header: attend.cpp includes it twice, each time inside its
-// own namespace that first defines `Vec` (VecGeneric, or VecAvx2 inside a
-// `#pragma GCC target("avx2,fma,f16c")` region so that every function here
-// is compiled for that ISA). It includes nothing itself; attend_plan.h and
+// NOT a normal header: attend.cpp includes it once per ISA, each time inside
+// its own namespace that first defines `Vec` (VecGeneric; VecAvx2 inside a
+// `#pragma GCC target("avx2,fma,f16c")` region; VecAvx512 inside an
+// AVX-512 F/BW/VL one) so that every function here is compiled for that
+// ISA. Vectors hold Vec::kLanes floats (8, or 16 for AVX-512); head_dim is
+// padded to a multiple of it, and register tiles are sized by Vec::kAcc,
+// the accumulators the ISA's register file holds (8 of 16 ymm, 16 of 32
+// zmm). It includes nothing itself; attend_plan.h and
 // attend_vec.h come first.
 //
 // A task (attend_plan.h) is a row b, a KV head, a tile of query positions
@@ -29,7 +33,7 @@ inline void qk_tile(const float* q, int64_t ldq, const TK* k, int64_t ldk,
   V acc[R * C];
 #pragma GCC unroll 16
   for (int x = 0; x < R * C; ++x) acc[x] = Vec::zero();
-  for (int64_t d = 0; d < dim; d += 8) {
+  for (int64_t d = 0; d < dim; d += Vec::kLanes) {
     V kv[C];
 #pragma GCC unroll 16
     for (int c = 0; c < C; ++c) kv[c] = Vec::load(k + c * ldk + d);
@@ -41,7 +45,7 @@ inline void qk_tile(const float* q, int64_t ldq, const TK* k, int64_t ldk,
       for (int c = 0; c < C; ++c) acc[r * C + c] = Vec::fma(qv, kv[c], acc[r * C + c]);
     }
   }
-  if constexpr (R * C == 8) {
+  if constexpr (R * C == 8 && Vec::kLanes == 8) {
     float out[8];
     Vec::hsum8(acc, out);
 #pragma GCC unroll 16
@@ -77,7 +81,7 @@ inline void prefetch_rows(const char* base, int64_t ld, int64_t j0, int64_t j1, 
 template <int R, typename TK>
 inline void qk_rows(const float* q, int64_t ldq, const TK* k, int64_t ldk,
                     int64_t dim, int64_t n, float* s, int64_t lds, const Ahead* ahead) {
-  constexpr int C = R == 1 ? 8 : R == 2 ? 4 : 2;
+  constexpr int C = R == 1 ? Vec::kAcc : R == 2 ? Vec::kAcc / 2 : Vec::kAcc / 4;
   int64_t c = 0;
   for (; c + C <= n; c += C) {
     if (ahead != nullptr && c < ahead->rows) {
@@ -113,7 +117,8 @@ void qk_block(const float* q, int64_t ldq, const TK* k, int64_t ldk, int64_t dim
   }
 }
 
-// o[r, :8W] = alpha[r] * o[r, :8W] + sum_j p[r, j] * v[j, :8W] for R rows.
+// o[r, :LW] = alpha[r] * o[r, :LW] + sum_j p[r, j] * v[j, :LW] for R rows
+// (L = Vec::kLanes).
 template <int R, int W, typename TV>
 inline void pv_tile(const float* p, int64_t ldp, const TV* v, int64_t ldv,
                     int64_t n, float* o, int64_t ldo, const float* alpha) {
@@ -123,12 +128,12 @@ inline void pv_tile(const float* p, int64_t ldp, const TV* v, int64_t ldv,
   for (int r = 0; r < R; ++r) {
     const V a = Vec::set1(alpha[r]);
 #pragma GCC unroll 16
-    for (int w = 0; w < W; ++w) acc[r * W + w] = Vec::mul(Vec::load(o + r * ldo + 8 * w), a);
+    for (int w = 0; w < W; ++w) acc[r * W + w] = Vec::mul(Vec::load(o + r * ldo + Vec::kLanes * w), a);
   }
   for (int64_t j = 0; j < n; ++j) {
     V vv[W];
 #pragma GCC unroll 16
-    for (int w = 0; w < W; ++w) vv[w] = Vec::load(v + j * ldv + 8 * w);
+    for (int w = 0; w < W; ++w) vv[w] = Vec::load(v + j * ldv + Vec::kLanes * w);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const V pb = Vec::set1(p[r * ldp + j]);
@@ -139,24 +144,30 @@ inline void pv_tile(const float* p, int64_t ldp, const TV* v, int64_t ldv,
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 16
-    for (int w = 0; w < W; ++w) Vec::store(o + r * ldo + 8 * w, acc[r * W + w]);
+    for (int w = 0; w < W; ++w) Vec::store(o + r * ldo + Vec::kLanes * w, acc[r * W + w]);
   }
 }
 
-// R rows over all of head_dim. Fewer rows take wider tiles: each
-// accumulator is one FMA dependency chain through the slot loop, and two
-// FMA units with a latency of 4 need about 8 chains to stay busy.
+// R rows over all of head_dim (a multiple of L = Vec::kLanes). Fewer rows
+// take wider tiles: each accumulator is one FMA dependency chain through the
+// slot loop, and two FMA units with a latency of 4 need about 8 chains to
+// stay busy; at most 8 vectors of head_dim (128 columns of AVX2) per tile.
 template <int R, typename TV>
 inline void pv_rows(const float* p, int64_t ldp, const TV* v, int64_t ldv,
                     int64_t n, float* o, int64_t ldo, const float* alpha,
                     int64_t dim) {
-  constexpr int W = R == 1 ? 8 : R == 2 ? 4 : 2;
+  constexpr int L = Vec::kLanes;
+  constexpr int W0 = R == 1 ? Vec::kAcc : R == 2 ? Vec::kAcc / 2 : Vec::kAcc / 4;
+  constexpr int W = W0 > 8 ? 8 : W0;
   int64_t d = 0;
-  for (; d + 8 * W <= dim; d += 8 * W) pv_tile<R, W>(p, ldp, v + d, ldv, n, o + d, ldo, alpha);
-  if constexpr (W > 2) {
-    for (; d + 16 <= dim; d += 16) pv_tile<R, 2>(p, ldp, v + d, ldv, n, o + d, ldo, alpha);
+  for (; d + L * W <= dim; d += L * W) pv_tile<R, W>(p, ldp, v + d, ldv, n, o + d, ldo, alpha);
+  if constexpr (W > 4) {
+    for (; d + 4 * L <= dim; d += 4 * L) pv_tile<R, 4>(p, ldp, v + d, ldv, n, o + d, ldo, alpha);
   }
-  if (d < dim) pv_tile<R, 1>(p, ldp, v + d, ldv, n, o + d, ldo, alpha);
+  if constexpr (W > 2) {
+    for (; d + 2 * L <= dim; d += 2 * L) pv_tile<R, 2>(p, ldp, v + d, ldv, n, o + d, ldo, alpha);
+  }
+  for (; d < dim; d += L) pv_tile<R, 1>(p, ldp, v + d, ldv, n, o + d, ldo, alpha);
 }
 
 template <typename TV>
@@ -188,8 +199,8 @@ void pack_rows(const T* src, int64_t row_stride, int64_t elem_stride,
 }
 
 // Online-softmax step of one row over a block of n slots, of which [a, e)
-// are visible to it. s holds the row's scores (n8 = n rounded up to 8
-// columns; the columns past n are scratch) and gets the weights.
+// are visible to it. s holds the row's scores (n8 = n rounded up to
+// Vec::kLanes columns; the columns past n are scratch) and gets the weights.
 // `vis` (rings; nullptr: none) marks the slots of [a, e) the row sees;
 // the others get weight exactly 0, like those outside [a, e).
 inline void softmax_row(float* s, int64_t a, int64_t e, int64_t n8, float cap,
@@ -198,13 +209,13 @@ inline void softmax_row(float* s, int64_t a, int64_t e, int64_t n8, float cap,
   using V = typename Vec::V;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   if (a >= e) {  // this row sees none of the block: weights 0, no rescale
-    for (int64_t j = 0; j < n8; j += 8) Vec::store(s + j, Vec::zero());
+    for (int64_t j = 0; j < n8; j += Vec::kLanes) Vec::store(s + j, Vec::zero());
     alpha = 1.f;
     return;
   }
   if (cap > 0.f) {
     const V c = Vec::set1(cap);
-    for (int64_t j = 0; j < n8; j += 8) Vec::store(s + j, Vec::mul(c, Vec::tanh(Vec::load(s + j))));
+    for (int64_t j = 0; j < n8; j += Vec::kLanes) Vec::store(s + j, Vec::mul(c, Vec::tanh(Vec::load(s + j))));
   }
   for (int64_t j = 0; j < a; ++j) s[j] = kNegInf;
   for (int64_t j = e; j < n8; ++j) s[j] = kNegInf;
@@ -214,13 +225,13 @@ inline void softmax_row(float* s, int64_t a, int64_t e, int64_t n8, float cap,
     }
   }
   V mx = Vec::set1(kNegInf);
-  for (int64_t j = 0; j < n8; j += 8) mx = Vec::max(mx, Vec::load(s + j));
+  for (int64_t j = 0; j < n8; j += Vec::kLanes) mx = Vec::max(mx, Vec::load(s + j));
   const float block_max = Vec::reduce_max(mx);
   const float m_new = std::max(m, block_max);
   alpha = std::exp2(m - m_new);  // 0 on the row's first block (m = -inf)
   const V mv = Vec::set1(m_new);
   V sum = Vec::zero();
-  for (int64_t j = 0; j < n8; j += 8) {
+  for (int64_t j = 0; j < n8; j += Vec::kLanes) {
     const V w = Vec::exp2(Vec::sub(Vec::load(s + j), mv));
     Vec::store(s + j, w);
     sum = Vec::add(sum, w);
@@ -331,7 +342,7 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
     }
     if (ta >= tb) continue;
     const int64_t n = c1 - c0;
-    const int64_t n8 = (n + 7) / 8 * 8;
+    const int64_t n8 = (n + Vec::kLanes - 1) / Vec::kLanes * Vec::kLanes;
     const int64_t ra = ta * G, rb = tb * G;
 
     // Keys and values of the next block, asked for a few rows at a time
@@ -394,10 +405,11 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
 }
 
 // A task over a ring (AttendParams::positions): the slots of [j0, j1) that
-// some query of the tile sees (tile_sees) are gathered in slot order, and
-// their keys and values widened to float32 block by block (pack_rows), so
-// empty or stale slots are never read, not even with weight 0 (0 * NaN is
-// NaN). Each query then masks the gathered slots it does not see (sees).
+// some query of the tile sees (tile_sees) are selected in slot order and
+// processed by blocks of kBlock selected slots: a block of consecutive
+// slots is read in place, any other is gathered and widened to float32
+// (pack_rows). Empty or stale slots are never read, not even with weight 0
+// (0 * NaN is NaN). Each query then masks the gathered slots it does not see (sees).
 // The order of the work depends only on which slots are visible, so a ring
 // that reached the same visible content by another route (a rollback after
 // a wrap) gives bit-identical results. A quantized ring (TKV int8_t or
@@ -447,17 +459,53 @@ void run_task_ring(const Plan& plan, const Task& t, Scratch& sc) {
   }
   float* const kb = sc.kb.data();
   float* const vb = sc.vb.data();
+  // A block of gathered slots that are consecutive slots (a ring's visible
+  // slots are at most two runs plus the sinks, so all blocks but two or
+  // three) is read in place like a linear block; the others are gathered.
+  // In-place and gathered reads widen to the same floats and run the same
+  // loops (fast_k implies dim == dim_pad), so for a float cache the result
+  // does not depend on which blocks were consecutive. A quantized run takes
+  // its scales on the scores and weights (as run_task), a gathered block on
+  // the widened rows: the same values up to rounding. Which blocks are runs
+  // depends only on which slots are visible (a position has one slot), so a
+  // rollback after a wrap stays bit-identical.
+  auto run_of = [&](int64_t c0, int64_t n) {
+    return sc.sel[c0 + n - 1] - sc.sel[c0] == n - 1;
+  };
   for (int64_t c0 = 0; c0 < n_sel; c0 += kBlock) {
     const int64_t n = std::min(kBlock, n_sel - c0);
-    const int64_t n8 = (n + 7) / 8 * 8;
-    for (int64_t j = 0; j < n; ++j) {
-      pack_rows(kbase + sc.sel[c0 + j] * p.k_stride[2], 0, p.k_stride[3], 1, D, Dp, kb + j * Dp);
-      if constexpr (kQuantized) {
-        const float f = kscale[sc.sel[c0 + j] * p.ks_stride[2]];
-        for (int64_t d = 0; d < D; ++d) kb[j * Dp + d] *= f;
+    const int64_t n8 = (n + Vec::kLanes - 1) / Vec::kLanes * Vec::kLanes;
+    const bool run = run_of(c0, n);
+    if (run && plan.fast_k) {
+      Ahead ahead;
+      const int64_t c_next = c0 + n;
+      if (c_next < n_sel && plan.fast_v) {
+        const int64_t n_next = std::min(kBlock, n_sel - c_next);
+        if (run_of(c_next, n_next)) {
+          ahead.k = reinterpret_cast<const char*>(kbase + sc.sel[c_next] * p.k_stride[2]);
+          ahead.v = reinterpret_cast<const char*>(vbase + sc.sel[c_next] * p.v_stride[2]);
+          ahead.ldk = p.k_stride[2] * int64_t(sizeof(TKV));
+          ahead.ldv = p.v_stride[2] * int64_t(sizeof(TKV));
+          ahead.row_bytes = D * int64_t(sizeof(TKV));
+          ahead.rows = n_next;
+        }
       }
+      qk_block(Q, Dp, kbase + sc.sel[c0] * p.k_stride[2], p.k_stride[2], D, rows, n, S, kBlock,
+               &ahead);
+      // A quantized run: the key scales on the scores, as in run_task.
+      if constexpr (kQuantized) {
+        scale_columns(S, 0, rows, n, kscale + sc.sel[c0] * p.ks_stride[2], p.ks_stride[2]);
+      }
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        pack_rows(kbase + sc.sel[c0 + j] * p.k_stride[2], 0, p.k_stride[3], 1, D, Dp, kb + j * Dp);
+        if constexpr (kQuantized) {
+          const float f = kscale[sc.sel[c0 + j] * p.ks_stride[2]];
+          for (int64_t d = 0; d < D; ++d) kb[j * Dp + d] *= f;
+        }
+      }
+      qk_block(Q, Dp, static_cast<const float*>(kb), Dp, Dp, rows, n, S, kBlock, nullptr);
     }
-    qk_block(Q, Dp, static_cast<const float*>(kb), Dp, Dp, rows, n, S, kBlock, nullptr);
     for (int64_t ti = 0; ti < nt; ++ti) {
       const int64_t qp = p_lo + ti;
       int64_t count = 0;
@@ -473,14 +521,23 @@ void run_task_ring(const Plan& plan, const Task& t, Scratch& sc) {
                     vis + ti * kBlock);
       }
     }
-    for (int64_t j = 0; j < n; ++j) {
-      pack_rows(vbase + sc.sel[c0 + j] * p.v_stride[2], 0, p.v_stride[3], 1, D, Dp, vb + j * Dp);
+    if (run && plan.fast_v) {
+      // A quantized run: the value scales on the weights (after the sums).
       if constexpr (kQuantized) {
-        const float f = vscale[sc.sel[c0 + j] * p.vs_stride[2]];
-        for (int64_t d = 0; d < D; ++d) vb[j * Dp + d] *= f;
+        scale_columns(S, 0, rows, n, vscale + sc.sel[c0] * p.vs_stride[2], p.vs_stride[2]);
       }
+      pv_block(S, kBlock, vbase + sc.sel[c0] * p.v_stride[2], p.v_stride[2], n, O, Dp, alpha,
+               rows, D);
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        pack_rows(vbase + sc.sel[c0 + j] * p.v_stride[2], 0, p.v_stride[3], 1, D, Dp, vb + j * Dp);
+        if constexpr (kQuantized) {
+          const float f = vscale[sc.sel[c0 + j] * p.vs_stride[2]];
+          for (int64_t d = 0; d < D; ++d) vb[j * Dp + d] *= f;
+        }
+      }
+      pv_block(S, kBlock, static_cast<const float*>(vb), Dp, n, O, Dp, alpha, rows, Dp);
     }
-    pv_block(S, kBlock, static_cast<const float*>(vb), Dp, n, O, Dp, alpha, rows, Dp);
   }
 
   if (t.part >= 0) {  // a split of the row: keep the unnormalized state

@@ -1,5 +1,5 @@
 // Work plan of the CPU attend kernel: what a task is, what it needs, and
-// the scratch it runs in. Shared by the portable and the AVX2 instances of
+// the scratch it runs in. Shared by the portable, AVX2 and AVX-512 instances of
 // attend_kernel.h and by the scheduler in attend.cpp.
 #pragma once
 
@@ -24,9 +24,9 @@ struct Plan {
   const AttendParams* p = nullptr;
   int64_t group = 1;   // query heads per KV head
   int64_t dim = 0;     // head_dim
-  int64_t dim_pad = 0; // head_dim rounded up to 8 (zero-padded in scratch)
+  int64_t dim_pad = 0; // head_dim rounded up to the ISA's lanes, 8 or 16 (zero-padded in scratch)
   int64_t tile = 1;    // query positions per task
-  bool fast_k = false; // keys read in place (unit element stride, dim % 8 == 0)
+  bool fast_k = false; // keys read in place (unit element stride, dim % lanes == 0)
   bool fast_v = false;
   bool ring = false;   // p->positions: slots read by position (run_task_ring)
   // Scores in log2 units: q is scaled by scale * log2(e); with a softcap,

@@ -1,16 +1,20 @@
-// Eight-float vector primitives for the CPU attend kernel
-// (csrc/cpu/attend_kernel.h): a portable flavour and an AVX2/FMA/F16C one.
+// Float vector primitives for the CPU attend kernel
+// (csrc/cpu/attend_kernel.h): a portable flavour and an AVX2/FMA/F16C one of
+// eight floats, and an AVX-512 F/BW/VL one of sixteen.
 //
 // The build compiles every CPU file for the baseline x86-64 ISA (SSE2), so
-// the AVX2 flavour is compiled under a `#pragma GCC target` region and only
-// called after a runtime check (__builtin_cpu_supports, see attend.cpp).
+// the AVX2 and AVX-512 flavours are compiled under `#pragma GCC target`
+// regions and only called after a runtime check (__builtin_cpu_supports,
+// see attend.cpp).
 // at::vec::Vectorized is not used: in this extension it is compiled for the
 // baseline ISA, whatever the machine can do.
 //
-// Both flavours have the same members:
+// Every flavour has the same members:
+//   kLanes (floats per V), kAcc (accumulators a register tile may use),
 //   V zero(), set1(float), load(const float*|BFloat16*|Half*|int8_t*|
 //   Float8_e4m3fn*) (widening to float32; int8 and e4m3 are the quantized
-//   caches' elements, exact in float32), store(float*, V), add, sub, mul, fma(a, b, c) = a * b + c, max,
+//   caches' elements, exact in float32), store(float*, V), add, sub, mul,
+//   fma(a, b, c) = a * b + c, max,
 //   reduce_add, reduce_max, hsum8(const V[8], float*) (out[k] = sum of the
 //   lanes of in[k]), exp2 (exact 0 below 2^-126, so a -inf score gives an
 //   exact 0 weight; NaN propagates), tanh.
@@ -50,6 +54,8 @@ struct VecGeneric {
   typedef float V __attribute__((vector_size(32)));
   typedef int32_t I __attribute__((vector_size(32)));
   static constexpr const char* kName = "generic";
+  static constexpr int kLanes = 8;
+  static constexpr int kAcc = 8;
 
   static inline V zero() { return set1(0.f); }
   static inline V set1(float x) { return V{x, x, x, x, x, x, x, x}; }
@@ -146,6 +152,8 @@ struct VecGeneric {
 struct VecAvx2 {
   using V = __m256;
   static constexpr const char* kName = "avx2";
+  static constexpr int kLanes = 8;
+  static constexpr int kAcc = 8;  // of 16 ymm registers
 
   static inline V zero() { return _mm256_setzero_ps(); }
   static inline V set1(float x) { return _mm256_set1_ps(x); }
@@ -243,6 +251,104 @@ struct VecAvx2 {
     const __m256 small = _mm256_mul_ps(p, ax);
     const __m256 r = _mm256_blendv_ps(big, small, _mm256_cmp_ps(ax, _mm256_set1_ps(0.3f), _CMP_LT_OQ));
     return _mm256_or_ps(r, _mm256_and_ps(sign, x));
+  }
+};
+
+#pragma GCC pop_options
+
+// AVX-512 F/BW/VL: the same algorithms on sixteen floats and 32 registers.
+// Compiled on every x86-64 build, run only where the CPU has the three
+// extensions (and KVCACHE_ATTEND_ISA does not force a lower path).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+
+struct VecAvx512 {
+  using V = __m512;
+  static constexpr const char* kName = "avx512";
+  static constexpr int kLanes = 16;
+  static constexpr int kAcc = 16;  // of 32 zmm registers
+
+  static inline V zero() { return _mm512_setzero_ps(); }
+  static inline V set1(float x) { return _mm512_set1_ps(x); }
+  static inline V load(const float* p) { return _mm512_loadu_ps(p); }
+  static inline V load(const c10::BFloat16* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static inline V load(const c10::Half* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static inline V load(const int8_t* p) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+  }
+  // As VecAvx2's e4m3fn load, sixteen at a time.
+  static inline V load(const c10::Float8_e4m3fn* p) {
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i mag = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7);
+    const __m256i sgn = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
+    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(mag, sgn)), _mm512_set1_ps(256.f));
+  }
+  static inline void store(float* p, V a) { _mm512_storeu_ps(p, a); }
+  static inline void pin(V& a) { asm("" : "+v"(a)); }
+  static inline V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static inline V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static inline V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static inline V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static inline V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static inline float reduce_add(V a) {
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    return VecAvx2::reduce_add(h);
+  }
+  static inline float reduce_max(V a) {
+    const __m256 h = _mm256_max_ps(_mm512_castps512_ps256(a),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    return VecAvx2::reduce_max(h);
+  }
+  static inline void hsum8(const V* in, float* out) {
+    for (int k = 0; k < 8; ++k) out[k] = reduce_add(in[k]);
+  }
+  // As VecAvx2::exp2: below -126 (and -inf) exactly 0, NaN propagates.
+  static inline V exp2(V x) {
+    const __m512 lo = _mm512_set1_ps(-126.f);
+    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    const __m512 xc = _mm512_min_ps(_mm512_set1_ps(127.f), _mm512_max_ps(lo, x));
+    const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(xc, n);
+    __m512 p = _mm512_set1_ps(1.5252733804059838e-05f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428441e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821576e-02f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    const __m512i e = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mov_ps(static_cast<__mmask16>(~under),
+                               _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
+  }
+  // As VecAvx2::tanh.
+  static inline V tanh(V x) {
+    const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+    const __m512i xi = _mm512_castps_si512(x);
+    const __m512 ax = _mm512_castsi512_ps(_mm512_andnot_si512(sign, xi));
+    const __m512 e = exp2(_mm512_mul_ps(ax, _mm512_set1_ps(-2.8853900817779268f)));
+    const __m512 one = _mm512_set1_ps(1.f);
+    const __m512 big = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    const __m512 x2 = _mm512_mul_ps(ax, ax);
+    __m512 p = _mm512_set1_ps(-1382.f / 155925.f);
+    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(62.f / 2835.f));
+    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(-17.f / 315.f));
+    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(2.f / 15.f));
+    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(-1.f / 3.f));
+    p = _mm512_fmadd_ps(p, x2, one);
+    const __m512 small = _mm512_mul_ps(p, ax);
+    const __mmask16 is_small = _mm512_cmp_ps_mask(ax, _mm512_set1_ps(0.3f), _CMP_LT_OQ);
+    const __m512 r = _mm512_mask_blend_ps(is_small, big, small);
+    return _mm512_castsi512_ps(
+        _mm512_or_si512(_mm512_castps_si512(r), _mm512_and_si512(sign, xi)));
   }
 };
 

@@ -14,6 +14,7 @@
 
 #include <optional>
 
+#include "kvcache/attend_cpu.h"
 #include "kvcache/build_info.h"
 #include "../ops/attend.h"
 #include "../ops/init_layer_cache.h"
@@ -92,5 +93,60 @@ Returns:
   dict with ``with_cuda`` (bool: CUDA kernels compiled in), ``torch_version``
   (the torch the library was compiled against), ``cuda_version`` and
   ``cuda_archs`` (empty strings for a CPU-only build).
+)doc");
+
+  m.def(
+      "attend_cpu_isa", []() { return kvcache::attend_cpu_isa(); },
+      R"doc(Returns the instruction-set path the CPU attend kernel takes here.
+
+Returns:
+  str: ``"avx512"`` (AVX-512 F/BW/VL), ``"avx2"`` (AVX2/FMA/F16C) or
+  ``"generic"`` (the portable code). The environment variable
+  ``KVCACHE_ATTEND_ISA=generic|avx2|avx512`` (read once) caps the choice.
+)doc");
+
+  m.def(
+      "attend_cpu_tuning",
+      []() {
+        const auto t = kvcache::attend_cpu_tuning();
+        py::dict out;
+        out["parallel_work"] = t.parallel_work;
+        out["min_split"] = t.min_split;
+        return out;
+      },
+      R"doc(Returns the CPU attend kernel's threading settings.
+
+Returns:
+  dict with ``parallel_work`` (float: estimated work above which a call uses
+  helper threads; 0: always) and ``min_split`` (int: fewest slots in a split
+  of a row when rows are split between threads).
+)doc");
+
+  m.def(
+      "set_attend_cpu_tuning",
+      [](std::optional<double> parallel_work, std::optional<int64_t> min_split) {
+        auto t = kvcache::attend_cpu_tuning();
+        if (parallel_work) t.parallel_work = *parallel_work;
+        if (min_split) t.min_split = *min_split;
+        if (!(t.parallel_work >= 0.0)) {
+          throw py::value_error("parallel_work must be a number >= 0, got " +
+                                std::to_string(t.parallel_work));
+        }
+        if (t.min_split < 1) {
+          throw py::value_error("min_split must be >= 1, got " + std::to_string(t.min_split));
+        }
+        kvcache::set_attend_cpu_tuning(t);
+      },
+      py::arg("parallel_work") = py::none(), py::arg("min_split") = py::none(),
+      R"doc(Replaces the CPU attend kernel's threading settings (benchmarks, tests).
+
+Args:
+  parallel_work: float >= 0 or None (keep): estimated work above which a
+    call uses helper threads; 0 makes every call with more than one task
+    parallel.
+  min_split: int >= 1 or None (keep): fewest slots in a split of a row.
+
+Raises:
+  ValueError: parallel_work < 0 (or NaN) or min_split < 1.
 )doc");
 }

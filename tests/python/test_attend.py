@@ -276,6 +276,65 @@ def test_long_rows_split_across_threads(threads, dtype):
         torch.set_num_threads(saved)
 
 
+@pytest.fixture
+def forced_split():
+    """Helper threads and splits at any size: parallel_work 0, splits of one block (64 slots), 2 threads."""
+    saved_tuning = kvcache._C.attend_cpu_tuning()
+    saved_threads = torch.get_num_threads()
+    kvcache._C.set_attend_cpu_tuning(parallel_work=0.0, min_split=1)
+    torch.set_num_threads(2)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved_threads)
+        kvcache._C.set_attend_cpu_tuning(**saved_tuning)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_split_k_decode_at_small_sizes(forced_split, dtype):
+    """Batch-1 decode over a few hundred slots split into 64-slot parts and merged (max, sum, acc)."""
+    check(1, 8, 1, 1, 128, 300, [256], dtype)  # one KV head: 4 parts
+    check(1, 8, 2, 1, 64, 300, [300], dtype, kv_start=[70])  # a part before kv_start sees nothing
+    check(1, 4, 1, 1, 128, 400, [390], dtype, window=100)  # parts outside the window
+    check(1, 4, 1, 1, 20, 260, [200], dtype, softcap=5.0)  # head_dim 20: packed keys/values
+    check(2, 8, 2, 1, 128, 500, [129, 500], dtype, kv_start=[0, 3])  # ragged rows, uneven parts
+
+
+def test_split_k_parts_that_see_nothing_and_tiny_rows(forced_split):
+    check(1, 8, 1, 1, 64, 300, [300], kv_start=[299])  # every part but the last sees nothing
+    check(1, 8, 1, 1, 64, 300, [300], kv_start=[300])  # no part sees anything: zeros
+    check(1, 8, 1, 1, 64, 300, [1])
+    check(1, 8, 8, 1, 64, 64, [5])  # parallel, nothing to split
+
+
+def test_split_k_softmax_scale_is_merged_exactly(forced_split):
+    """Parts with very different maxima (one huge score): the merge rescales by 2^(m_s - M)."""
+    q = torch.randn(1, 4, 1, 64)
+    keys = torch.randn(1, 1, 256, 64).float()
+    values = torch.randn(1, 1, 256, 64).float()
+    keys[0, 0, 200] = q[0, 0, 0] * 8  # part 3 of 4 holds a dominant key for head 0
+    lengths = torch.tensor([256], dtype=torch.int32)
+    out = ATTEND(q, keys, values, lengths)
+    assert_close(out, reference(q, keys, values, lengths), torch.float32)
+
+
+def test_parallel_prefill_and_chunks_forced(forced_split):
+    check(1, 8, 2, 4, 128, 300, [300])  # seq 4: tiles, no split
+    check(2, 8, 2, 33, 64, 200, [200, 40], kv_start=[0, 5], window=30)
+
+
+def test_attend_cpu_tuning_rejects_bad_values():
+    saved = kvcache._C.attend_cpu_tuning()
+    with pytest.raises(ValueError, match="parallel_work"):
+        kvcache._C.set_attend_cpu_tuning(parallel_work=-1.0)
+    with pytest.raises(ValueError, match="parallel_work"):
+        kvcache._C.set_attend_cpu_tuning(parallel_work=float("nan"))
+    with pytest.raises(ValueError, match="min_split"):
+        kvcache._C.set_attend_cpu_tuning(min_split=0)
+    assert kvcache._C.attend_cpu_tuning() == saved
+    assert kvcache._C.attend_cpu_isa() in ("avx512", "avx2", "generic")
+
+
 def test_ragged_batch_parallel_prefill():
     saved = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -285,47 +344,66 @@ def test_ragged_batch_parallel_prefill():
         torch.set_num_threads(saved)
 
 
-def _cpu_has_avx2() -> bool:
+def _cpu_flags() -> set:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
+            return set(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
-        return False
-    return {"avx2", "fma", "f16c"} <= set(flags)
+        return set()
 
 
-PORTABLE_SCRIPT = """
+def _cpu_has_avx2() -> bool:
+    return {"avx2", "fma", "f16c"} <= _cpu_flags()
+
+
+# What each forced path needs of the CPU (KVCACHE_ATTEND_ISA caps the kernel's choice).
+ISA_FLAGS = {"generic": set(), "avx2": {"avx2", "fma", "f16c"},
+             "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"}}
+
+ISA_SCRIPT = """
 import sys, torch
 sys.path.insert(0, {here!r})
+import kvcache
 import test_attend as t
+assert kvcache._C.attend_cpu_isa() == {isa!r}, kvcache._C.attend_cpu_isa()
 outs = []
 for dt in (torch.float32, torch.bfloat16, torch.float16):
     outs.append(t.check(2, 8, 2, 7, 64, 150, [150, 40], dt, kv_start=[3, 0], window=100, softcap=5.0)[0])
 outs.append(t.check(2, 4, 2, 3, 20, 90, [90, 5], kv_layout="elem_strided")[0])
+for shape in t.SHAPES:
+    t.check(*shape, torch.bfloat16)
+t.check(1, 4, 1, 1, 72, 100, [77])  # head_dim 72: in place on 8 lanes, padded on 16
+t.check(1, 4, 1, 1, 24, 100, [77], torch.float16)
 torch.set_num_threads(2)
 outs.append(t.check(1, 8, 1, 1, 128, 9000, [8999])[0])
+kvcache._C.set_attend_cpu_tuning(parallel_work=0.0, min_split=1)
+t.check(1, 8, 1, 1, 128, 300, [256], torch.bfloat16)
+import test_attend_ring_runs as rr
+rr.run(1, 8, 2, 4, 128, 200, 4, [1000], torch.float32)
+rr.run(1, 8, 2, 1, 128, 200, 4, [1000], torch.bfloat16)
 torch.save(outs, sys.argv[1])
 """
 
 
-def test_portable_kernel(tmp_path):
-    """The baseline-ISA kernel (KVCACHE_ATTEND_ISA=generic) against the reference."""
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+def test_forced_isa_path(isa, tmp_path):
+    """Each kernel path the CPU has (KVCACHE_ATTEND_ISA=isa), against the float64 reference."""
+    if not ISA_FLAGS[isa] <= _cpu_flags():
+        pytest.skip(f"this CPU lacks {sorted(ISA_FLAGS[isa] - _cpu_flags())}")
     path = tmp_path / "outs.pt"
-    env = dict(os.environ, KVCACHE_ATTEND_ISA="generic")
+    env = dict(os.environ, KVCACHE_ATTEND_ISA=isa)
     proc = subprocess.run(
-        [sys.executable, "-c", PORTABLE_SCRIPT.format(here=HERE), str(path)],
-        env=env, capture_output=True, text=True, timeout=600,
+        [sys.executable, "-c", ISA_SCRIPT.format(here=HERE, isa=isa), str(path)],
+        env=env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    if _cpu_has_avx2():
+    if isa == "generic" and _cpu_has_avx2():
         # The two kernels round differently (separate multiply and add
         # against FMA, other summation orders): the subprocess really ran
         # the other one.
-        here = [
-            check(2, 8, 2, 7, 64, 150, [150, 40], dt, kv_start=[3, 0], window=100, softcap=5.0)[0]
-            for dt in (torch.float32,)
-        ]
-        assert not torch.equal(torch.load(path)[0], here[0])
+        here = check(2, 8, 2, 7, 64, 150, [150, 40], torch.float32, kv_start=[3, 0], window=100,
+                     softcap=5.0)[0]
+        assert not torch.equal(torch.load(path)[0], here)
 
 
 # ------------------------------------------------------------- errors ---

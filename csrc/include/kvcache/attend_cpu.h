@@ -1,0 +1,38 @@
+// Run-time settings of the CPU attend kernel, for benchmarks and tests:
+// which instruction-set path it takes, and the two thresholds that decide
+// when a call uses helper threads and how finely a row's slots are split
+// between them. Plain C++ (no torch headers).
+#pragma once
+
+#include "kvcache/export.h"
+
+#include <cstdint>
+#include <string>
+
+namespace kvcache {
+
+struct AttendCpuTuning {
+  // Estimated work (the kernel's cost units, about 1/4 ns of AVX2 work each)
+  // above which a call uses helper threads. 0: always, when there is more
+  // than one thread and more than one task.
+  double parallel_work;
+  // Fewest slots in a split of a row (a multiple of 64 is used: the kernel's
+  // block); rows are split only when there are fewer tasks than threads.
+  int64_t min_split;
+};
+
+/// The settings in effect (initially the defaults, or the environment's
+/// KVCACHE_ATTEND_PARALLEL_WORK / KVCACHE_ATTEND_MIN_SPLIT).
+KVCACHE_API AttendCpuTuning attend_cpu_tuning();
+
+/// Replaces the settings for later calls (not thread-safe against a call
+/// in flight; meant for benchmarks and tests). Throws std::invalid_argument
+/// for a negative parallel_work or a min_split below 1.
+KVCACHE_API void set_attend_cpu_tuning(const AttendCpuTuning& tuning);
+
+/// The instruction-set path the kernel takes on this machine: "avx512",
+/// "avx2" or "generic". KVCACHE_ATTEND_ISA=generic|avx2|avx512 (read once)
+/// caps the choice at that path (tests force each path the CPU has).
+KVCACHE_API std::string attend_cpu_isa();
+
+}  // namespace kvcache
