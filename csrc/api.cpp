@@ -104,10 +104,12 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys,
       const at::Tensor&, const std::optional<at::Tensor>&,
       std::optional<double>, int64_t, double, const std::optional<at::Tensor>&,
       int64_t, const std::optional<at::Tensor>&,
-      const std::optional<at::Tensor>&)>("kvcache::attend", "");
+      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>(
+      "kvcache::attend", "");
   return op.call(q, keys, values, lengths, options.kv_start, options.scale,
                  options.window, options.softcap, options.positions,
-                 options.sinks, options.k_scale, options.v_scale);
+                 options.sinks, options.k_scale, options.v_scale,
+                 options.sink_logits);
 }
 
 at::Tensor rollback(const at::Tensor& lengths, const at::Tensor& n,

@@ -272,8 +272,9 @@ void merge_parts(const Plan& plan, int64_t b, int64_t kvh, int64_t first_part, i
       }
     }
     // No part saw a slot (left padding): zeros. A NaN in the data stays NaN.
-    const float inv = mx == -std::numeric_limits<float>::infinity() ? 0.f : 1.f / sum;
     const int64_t i = r / G, g = r % G;
+    const float inv =
+        mx == -std::numeric_limits<float>::infinity() ? 0.f : 1.f / with_sink(p, kvh * G + g, mx, sum);
     T* dst = static_cast<T*>(p.out) + b * p.out_stride[0] + (kvh * G + g) * p.out_stride[1] +
              i * p.out_stride[2];
     for (int64_t d = 0; d < D; ++d) dst[d * p.out_stride[3]] = static_cast<T>(acc[d] * inv);

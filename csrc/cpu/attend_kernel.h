@@ -396,7 +396,7 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = ti * G + g;
       // A query that sees no slot (left padding) gets zeros.
-      const float inv = lo[ti] < hi[ti] ? 1.f / l[r] : 0.f;
+      const float inv = lo[ti] < hi[ti] ? 1.f / with_sink(p, t.kvh * G + g, m[r], l[r]) : 0.f;
       T* dst = obase + (t.kvh * G + g) * p.out_stride[1] + (t.i0 + ti) * p.out_stride[2];
       const float* src = O + r * Dp;
       for (int64_t d = 0; d < D; ++d) dst[d * p.out_stride[3]] = static_cast<T>(src[d] * inv);
@@ -551,7 +551,8 @@ void run_task_ring(const Plan& plan, const Task& t, Scratch& sc) {
   for (int64_t ti = 0; ti < nt; ++ti) {
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = ti * G + g;
-      const float inv = seen[ti] > 0 ? 1.f / l[r] : 0.f;  // sees nothing: zeros
+      // Sees nothing: zeros.
+      const float inv = seen[ti] > 0 ? 1.f / with_sink(p, t.kvh * G + g, m[r], l[r]) : 0.f;
       T* dst = obase + (t.kvh * G + g) * p.out_stride[1] + (t.i0 + ti) * p.out_stride[2];
       const float* src = O + r * Dp;
       for (int64_t d = 0; d < D; ++d) dst[d * p.out_stride[3]] = static_cast<T>(src[d] * inv);

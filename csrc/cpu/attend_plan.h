@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -19,6 +20,15 @@ using detail::AttendParams;
 constexpr int64_t kBlock = 64;
 // log2(e): the kernel works in base 2 (exp2 is cheaper than exp).
 constexpr float kLog2e = 1.4426950408889634f;
+
+// The softmax denominator of query head h whose slots gave running max m
+// and sum l (log2 units, m finite): l, plus exp2(sink * log2(e) - m) for a
+// learned sink logit (a virtual slot with no value). A sink far above every
+// score makes it inf and the output 0, its limit.
+inline float with_sink(const AttendParams& p, int64_t h, float m, float l) {
+  if (p.sink_logits == nullptr) return l;
+  return l + std::exp2(p.sink_logits[h * p.sink_stride] * kLog2e - m);
+}
 
 struct Plan {
   const AttendParams* p = nullptr;

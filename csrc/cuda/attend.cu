@@ -88,6 +88,10 @@ struct AttnArgs {
   const int32_t* positions;
   int64_t ps[2];
   int64_t sinks;
+  // Learned per-head sink logits ((num_heads,) float32; nullptr: none):
+  // one more term exp(sink - max) in each row's softmax denominator.
+  const float* sink_logits;
+  int64_t sink_stride;
   float* part_ml;   // splits > 1: (split, row) -> (max, sum)
   float* part_acc;  // splits > 1: (split, row, head_dim)
   int64_t total_rows;  // batch * num_heads * seq
@@ -437,7 +441,8 @@ __global__ void __launch_bounds__(kThreads)
       const int d = idx - r * D;
       int64_t h, i;
       row_place(a, kvh, row0 + r, &h, &i);
-      const float l = l_s[r];
+      float l = l_s[r];
+      if (a.sink_logits != nullptr && l > 0.f) l += expf(a.sink_logits[h * a.sink_stride] - m_s[r]);
       const float o = l != l ? NAN : l > 0.f ? acc_s[idx] / l : 0.f;  // no visible slot: 0
       outp[b * a.os[0] + h * a.os[1] + i * a.os[2] + d * a.os[3]] =
           static_cast<T>(o);
@@ -502,6 +507,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   for (int s = 0; s < a.splits; ++s) {
     if (w_s[s] > 0.f) total += w_s[s] * a.part_ml[2 * (s * a.total_rows + prow) + 1];
   }
+  if (a.sink_logits != nullptr && total > 0.f) total += expf(a.sink_logits[h * a.sink_stride] - m);
   for (int d = threadIdx.x; d < D; d += kCombineThreads) {
     float o = 0.f;
     for (int s = 0; s < a.splits; ++s) {
@@ -630,6 +636,8 @@ void attend_cuda(const AttendParams& p) {
   a.lengths = p.lengths;
   a.kv_start = p.kv_start;
   a.positions = p.positions;
+  a.sink_logits = p.sink_logits;
+  a.sink_stride = p.sink_stride;
   a.ps[0] = p.pos_stride[0];
   a.ps[1] = p.pos_stride[1];
   a.sinks = p.sinks;

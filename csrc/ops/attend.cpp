@@ -32,7 +32,8 @@ AttendRows check_attend(const at::Tensor& q, const at::Tensor& keys,
                         const std::optional<at::Tensor>& positions,
                         int64_t sinks,
                         const std::optional<at::Tensor>& k_scale,
-                        const std::optional<at::Tensor>& v_scale) {
+                        const std::optional<at::Tensor>& v_scale,
+                        const std::optional<at::Tensor>& sink_logits) {
   check_dense(q, "q");
   check_dense(keys, "keys");
   check_dense(values, "values");
@@ -133,6 +134,17 @@ AttendRows check_attend(const at::Tensor& q, const at::Tensor& keys,
     check_positions(*positions, batch, max_len, dev);
   }
   TORCH_CHECK_VALUE(sinks >= 0, "sinks must be >= 0, got ", sinks);
+  if (sink_logits.has_value()) {
+    const at::Tensor& sl = *sink_logits;
+    check_dense(sl, "sink_logits");
+    TORCH_CHECK_TYPE(sl.scalar_type() == at::kFloat,
+                     "sink_logits must be a torch.float32 tensor, got ",
+                     py_dtype(sl.scalar_type()));
+    TORCH_CHECK_VALUE(sl.dim() == 1 && holds(sl.sym_size(0).sym_eq(heads)),
+                      "sink_logits must have shape (num_heads=", shown(heads),
+                      ",), got ", shape_str(sl));
+    check_device(sl, dev, "sink_logits", "the device of q");
+  }
   TORCH_CHECK_VALUE(sinks == 0 || ring,
                     "sinks=", sinks, " needs positions (a ring cache); a "
                     "linear cache has no sinks");
@@ -188,10 +200,12 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys,
                   std::optional<double> scale, int64_t window, double softcap,
                   const std::optional<at::Tensor>& positions, int64_t sinks,
                   const std::optional<at::Tensor>& k_scale,
-                  const std::optional<at::Tensor>& v_scale) {
+                  const std::optional<at::Tensor>& v_scale,
+                  const std::optional<at::Tensor>& sink_logits) {
   const auto rows = detail::check_attend(q, keys, values, lengths, kv_start,
                                          scale, window, softcap, true,
-                                         positions, sinks, k_scale, v_scale);
+                                         positions, sinks, k_scale, v_scale,
+                                         sink_logits);
   // (batch, seq, heads, head_dim) memory: the caller's transpose(1, 2) and
   // reshape to (batch, seq, heads * head_dim) is then a free view.
   at::Tensor out =
@@ -225,6 +239,10 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys,
     p.pos_stride[1] = positions->stride(1);
   }
   p.sinks = sinks;
+  if (sink_logits.has_value()) {
+    p.sink_logits = sink_logits->const_data_ptr<float>();
+    p.sink_stride = sink_logits->stride(0);
+  }
   p.lengths = detail::int_rows(lengths);
   if (kv_start.has_value()) p.kv_start = detail::int_rows(*kv_start);
   p.host_lengths = rows.lengths.empty() ? nullptr : rows.lengths.data();

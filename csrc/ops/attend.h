@@ -73,6 +73,10 @@ struct AttendParams {
   int64_t ks_stride[3] = {};
   const float* v_scale = nullptr;
   int64_t vs_stride[3] = {};
+  // Learned per-head sink logits ((num_heads,) float32, element stride), in
+  // the units of the scaled scores; nullptr: none.
+  const float* sink_logits = nullptr;
+  int64_t sink_stride = 0;
 };
 
 using AttendFn = void (*)(const AttendParams&);
@@ -93,7 +97,8 @@ KVCACHE_API AttendRows check_attend(const at::Tensor& q, const at::Tensor& keys,
                         const std::optional<at::Tensor>& positions = std::nullopt,
                         int64_t sinks = 0,
                         const std::optional<at::Tensor>& k_scale = std::nullopt,
-                        const std::optional<at::Tensor>& v_scale = std::nullopt);
+                        const std::optional<at::Tensor>& v_scale = std::nullopt,
+                        const std::optional<at::Tensor>& sink_logits = std::nullopt);
 
 
 // The checks with the schema's arguments, as a fake kernel runs them.
@@ -106,9 +111,10 @@ inline void trace_check_attend(const at::Tensor& q, const at::Tensor& keys,
                                const std::optional<at::Tensor>& positions,
                                int64_t sinks,
                                const std::optional<at::Tensor>& k_scale,
-                               const std::optional<at::Tensor>& v_scale) {
+                               const std::optional<at::Tensor>& v_scale,
+                               const std::optional<at::Tensor>& sink_logits) {
   check_attend(q, keys, values, lengths, kv_start, scale, window, softcap,
-               false, positions, sinks, k_scale, v_scale);
+               false, positions, sinks, k_scale, v_scale, sink_logits);
 }
 
 }  // namespace detail
@@ -122,7 +128,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys,
                   std::optional<double> scale, int64_t window, double softcap,
                   const std::optional<at::Tensor>& positions, int64_t sinks,
                   const std::optional<at::Tensor>& k_scale,
-                  const std::optional<at::Tensor>& v_scale);
+                  const std::optional<at::Tensor>& v_scale,
+                  const std::optional<at::Tensor>& sink_logits);
 
 }  // namespace ops
 }  // namespace kvcache

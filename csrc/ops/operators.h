@@ -52,7 +52,10 @@
 //       slots whose position q has kv_start[b] <= q <= p and (q < sinks or
 //       p - q < window) (csrc/core/visibility.h); a query that finds fewer
 //       of them than that rule asks for (a ring that lost a position) gets
-//       NaN.
+//       NaN. With sink_logits ((num_heads,) float32: learned per-head sink
+//       logits, gpt-oss) each head's softmax also counts one virtual slot
+//       of that (scaled, capped) score and no value: the weights of the real
+//       slots sum to less than 1.
 //   rollback  lengths - n as a new tensor, refusing to go below kv_start.
 //   select_rows_  row b of keys and values takes the filled slots of row
 //       index[b], in place; returns lengths[index].
@@ -115,7 +118,8 @@
     "attend(Tensor q, Tensor keys, Tensor values, Tensor lengths, *, "        \
     "Tensor? kv_start=None, float? scale=None, int window=0, "                \
     "float softcap=0.0, Tensor? positions=None, int sinks=0, "               \
-    "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor")                  \
+    "Tensor? k_scale=None, Tensor? v_scale=None, "                          \
+    "Tensor? sink_logits=None) -> Tensor")                                    \
   X(rollback, "rollback", Read, rollback_stub,                                \
     "rollback(Tensor lengths, Tensor n, *, Tensor? kv_start=None) -> Tensor") \
   X(select_rows_, "select_rows_", Write, select_rows_stub,                    \

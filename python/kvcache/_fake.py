@@ -46,7 +46,7 @@ def _update_quantized_tensor(keys, values, k_scale, v_scale, keys_new, values_ne
 
 def _attend(
     q, keys, values, lengths, *, kv_start=None, scale=None, window=0, softcap=0.0, positions=None, sinks=0,
-    k_scale=None, v_scale=None
+    k_scale=None, v_scale=None, sink_logits=None
 ):
     b, h, s, d = q.shape
     # (batch, seq, heads, head_dim) memory, as the kernels allocate it.

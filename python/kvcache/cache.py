@@ -406,6 +406,7 @@ def attend(
     scale: Optional[float] = None,
     window: Optional[int] = None,
     softcap: Optional[float] = None,
+    sink_logits: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of new queries over the filled part of ``cache``.
 
@@ -436,6 +437,10 @@ def attend(
             ``(p - window, p]``; ``None`` or 0 means no window.
         softcap: Scores become ``softcap * tanh(score / softcap)`` (Gemma 2);
             ``None`` or 0 means none.
+        sink_logits: ``(num_heads,)`` float32 learned attention-sink logits
+            (gpt-oss): each head's softmax also counts one virtual slot with
+            that score (in the units of the scaled scores) and a zero value,
+            so the real slots' weights sum to less than 1. ``None``: none.
 
     Returns:
         ``(batch, num_heads, seq, head_dim)`` tensor in ``q``'s dtype
@@ -464,9 +469,10 @@ def attend(
             softcap=softcap_,
             k_scale=cache.k_scale,
             v_scale=cache.v_scale,
+            sink_logits=sink_logits,
         )
     if not isinstance(cache, KVLayerCache):
-        return _attend_ring(q, cache, kv_start, scale, window, softcap)
+        return _attend_ring(q, cache, kv_start, scale, window, softcap, sink_logits)
     return _attend_op(
         q,
         cache.keys,
@@ -478,11 +484,12 @@ def attend(
         softcap=softcap_,
         k_scale=cache.k_scale,
         v_scale=cache.v_scale,
+        sink_logits=sink_logits,
     )
 
 
 @torch.jit.unused
-def _attend_ring(q, cache, kv_start, scale, window, softcap) -> torch.Tensor:
+def _attend_ring(q, cache, kv_start, scale, window, softcap, sink_logits) -> torch.Tensor:
     # Rings (kvcache.ring): Python only (TorchScript compiles attend for KVLayerCache).
     from .ring import RingKV, RingLayerCache, attend_ring
 
@@ -490,7 +497,7 @@ def _attend_ring(q, cache, kv_start, scale, window, softcap) -> torch.Tensor:
         raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
     if window is not None and window != cache.window:
         raise ValueError(f"window={window} differs from the ring's window={cache.window}")
-    return attend_ring(q, cache, kv_start=kv_start, scale=scale, softcap=softcap)
+    return attend_ring(q, cache, kv_start=kv_start, scale=scale, softcap=softcap, sink_logits=sink_logits)
 
 
 def rollback_kv_layer_cache(

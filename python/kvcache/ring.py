@@ -407,6 +407,7 @@ def attend_ring(
     kv_start: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     softcap: Optional[float] = None,
+    sink_logits: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of the last ``seq`` positions' queries over a ring, by position.
 
@@ -425,6 +426,8 @@ def attend_ring(
             padding); ``None`` means 0.
         scale: Score scale; ``None`` means ``head_dim ** -0.5``.
         softcap: ``softcap * tanh(score / softcap)``; ``None`` or 0: none.
+        sink_logits: ``(num_heads,)`` float32 learned sink logits (gpt-oss),
+            as in :func:`kvcache.attend`; ``None``: none.
 
     Returns:
         ``(batch, num_heads, seq, head_dim)`` in ``q``'s dtype. A query that
@@ -453,6 +456,7 @@ def attend_ring(
         sinks=kv.sinks,
         k_scale=kv.k_scale,
         v_scale=kv.v_scale,
+        sink_logits=sink_logits,
     )
 
 

@@ -36,7 +36,8 @@ TEST_CASE("schemas are registered with mutation annotations", "[dispatcher]") {
   REQUIRE(schema_of("kvcache::attend") ==
           "kvcache::attend(Tensor q, Tensor keys, Tensor values, Tensor lengths, *, "
           "Tensor? kv_start=None, float? scale=None, int window=0, float softcap=0., "
-          "Tensor? positions=None, int sinks=0, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
+          "Tensor? positions=None, int sinks=0, Tensor? k_scale=None, Tensor? v_scale=None, "
+          "Tensor? sink_logits=None) -> Tensor");
   REQUIRE(schema_of("kvcache::ring_update_") ==
           "kvcache::ring_update_(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) positions, "
           "Tensor keys_new, Tensor values_new, Tensor start, *, int sinks=0) -> Tensor");

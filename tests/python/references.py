@@ -74,6 +74,7 @@ def attention_reference(
     softcap: float = 0.0,
     positions: Optional[torch.Tensor] = None,
     sinks: int = 0,
+    sink_logits: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """float64 softmax attention over exactly the slots each query may see (gathered, so whatever
     the other slots hold, NaN included, cannot reach the result).
@@ -84,6 +85,8 @@ def attention_reference(
         keys, values: (batch, num_kv_heads, max_len, head_dim); num_heads % num_kv_heads == 0.
         lengths, kv_start: 0-D or (batch,) integer tensors.
         positions: None (a linear cache) or (batch, max_len) logical position per slot (rings).
+        sink_logits: None or (num_heads,) learned sink logits: a column of that score is appended to
+            each head's scores before the softmax and dropped after it (transformers' eager gpt-oss).
 
     Returns:
         (batch, num_heads, seq, head_dim) float64 on q's device; a query that sees nothing gets 0.
@@ -108,7 +111,12 @@ def attention_reference(
             sc = torch.einsum("hd,hnd->hn", q64[r, :, i], k) * scale
             if softcap > 0:
                 sc = softcap * torch.tanh(sc / softcap)
-            out[r, :, i] = torch.einsum("hn,hnd->hd", torch.softmax(sc, -1), v)
+            if sink_logits is not None:
+                col = sink_logits.detach().cpu().double().view(h, 1)
+                w = torch.softmax(torch.cat([sc, col], -1), -1)[:, :-1]
+            else:
+                w = torch.softmax(sc, -1)
+            out[r, :, i] = torch.einsum("hn,hnd->hd", w, v)
     return out.to(q.device)
 
 

@@ -79,6 +79,10 @@ def att_ks(q, k, v, lengths, ks):
     return ops.attend(q, k, v, lengths, kv_start=ks)
 
 
+def att_sl(q, k, v, lengths, sink_logits):
+    return ops.attend(q, k, v, lengths, sink_logits=sink_logits)
+
+
 # rollback and select_rows_ return new lengths: the cases return them, so
 # that a compiler cannot drop the call (and its run-time checks) as dead code.
 def rb(lengths, n):
@@ -373,6 +377,9 @@ CASES = [
     Case("attend/softcap-over-float32", att(softcap=1e39), lambda: (q_(), *cache(), torch.tensor(3))),
     Case("attend/softcap-under-float32", att(softcap=1e-46), lambda: (q_(), *cache(), torch.tensor(3))),
     Case("attend/lengths-float", att(), lambda: (q_(), *cache(), torch.tensor(3.0))),
+    Case("attend/sink_logits-shape", att_sl, lambda: (q_(), *cache(), torch.tensor(3), torch.zeros(H + 1))),
+    Case("attend/sink_logits-dtype", att_sl,
+         lambda: (q_(), *cache(), torch.tensor(3), torch.zeros(H, dtype=torch.float64))),
     Case("attend/kv_start-shape", att_ks, lambda: (q_(), *cache(), torch.tensor(3), torch.zeros(B + 1, dtype=torch.int64))),
     Case("attend/q-requires-grad", att(), lambda: grad(0, lambda: (q_(), *cache(), torch.tensor(3)))),
     Case("attend/max_len-2^31", att(), lambda: (torch.ones(1, 1, 1, 1), *huge_cache()[:2], torch.tensor(1))),

@@ -387,7 +387,7 @@ def test_fullgraph_forward_prefill_longer_than_the_ring_then_decode_across_wraps
     assert counters["stats"]["unique_graphs"] <= 3  # prefill, first decode, decode with a grown mask
 
 
-def test_gpt_oss_learned_sinks_refused_by_kvcache_attention_served_by_eager():
+def test_gpt_oss_learned_sinks_with_kvcache_attention_and_with_eager():
     from transformers import GptOssConfig, GptOssForCausalLM
 
     torch.manual_seed(0)
@@ -400,8 +400,10 @@ def test_gpt_oss_learned_sinks_refused_by_kvcache_attention_served_by_eager():
     torch.nn.init.normal_(model.model.layers[0].self_attn.sinks, std=2.0)  # sinks that matter
     ids, mask = inputs(1)
     ref = generate(model, ids, mask, DynamicCache(config=model.config), impl="eager", new=12)
-    with pytest.raises(NotImplementedError, match="s_aux"):
-        generate(model, ids, mask, kh.KVCache(model.config, MAX_LEN), impl="kvcache", new=12)
+    # The kvcache attention passes s_aux to attend's sink_logits: transformers' eager tokens,
+    # through ring wraps (window WINDOW, 12 new tokens past a prompt).
+    out = generate(model, ids, mask, kh.KVCache(model.config, MAX_LEN, max_step=4), impl="kvcache", new=12)
+    assert_tokens(out, ref)
     with pytest.warns(UserWarning, match="O\\(capacity\\)"):
         out = generate(model, ids, mask, kh.KVCache(model.config, MAX_LEN, max_step=4), impl="eager", new=12)
     assert_tokens(out, ref)

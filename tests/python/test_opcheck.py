@@ -89,6 +89,7 @@ def _attend_samples():
         lengths = torch.tensor([5, 16], dtype=torch.int32)
         yield (q, keys, values, lengths), {}
         yield (q, keys, values, lengths), {"kv_start": torch.tensor([1, 3]), "window": 3, "softcap": 5.0, "scale": 0.5}
+        yield (q, keys, values, lengths), {"sink_logits": torch.tensor([0.5, -1.0, 2.0, 0.0])}
 
 
 def _ring_attend_samples():

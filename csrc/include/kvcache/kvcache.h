@@ -67,6 +67,9 @@ struct AttendOptions {
   /// attend(q, cache, options) from the cache).
   std::optional<at::Tensor> k_scale;
   std::optional<at::Tensor> v_scale;
+  /// (num_heads,) float32 learned sink logits (gpt-oss): each head's softmax
+  /// counts one more virtual slot of that score and no value.
+  std::optional<at::Tensor> sink_logits;
 };
 
 // ---- The operators (thin typed wrappers over the dispatcher) -------------

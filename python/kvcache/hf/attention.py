@@ -141,9 +141,10 @@ def kvcache_attention(
         ``(output (batch, seq, num_heads, head_dim), None)``.
 
     Raises:
-        NotImplementedError: Dropout in training, non-causal attention,
-            learned attention-sink logits (gpt-oss ``s_aux``) or position
-            biases; ``KVCache(sinks=N)`` over a left-padded batch.
+        NotImplementedError: Dropout in training, non-causal attention or
+            position biases; ``KVCache(sinks=N)`` over a left-padded batch.
+            Learned attention-sink logits (gpt-oss ``s_aux``) are served:
+            ``attend``'s ``sink_logits``.
         ValueError: A mask not built by :func:`kvcache_mask`; lengths out of
             range (``attend``'s checks).
     """
@@ -151,12 +152,14 @@ def kvcache_attention(
         raise NotImplementedError("attn_implementation='kvcache' is for inference: attention dropout is not supported")
     if is_causal is False or not getattr(module, "is_causal", True):
         raise NotImplementedError("attn_implementation='kvcache' supports causal self-attention only")
-    for name in ("s_aux", "sinks"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(
-                f"attn_implementation='kvcache' does not support learned attention-sink logits ({name}, gpt-oss): "
-                "attend has no sink-logit input; load the model with attn_implementation='eager' (a "
-                "kvcache.hf.KVCache, rings included, still serves it, O(max_cache_len) per step)")
+    # Learned per-head sink logits (gpt-oss passes its `sinks` parameter as s_aux): one virtual
+    # slot per head in the softmax denominator. float32 and detached: the kernels read float32,
+    # and inference takes no gradient through them.
+    sink_logits = kwargs.get("s_aux")
+    if sink_logits is None:
+        sink_logits = kwargs.get("sinks")
+    if sink_logits is not None:
+        sink_logits = sink_logits.detach().to(torch.float32).reshape(-1)
     if kwargs.get("position_bias") is not None:
         raise NotImplementedError("attn_implementation='kvcache' does not support position_bias")
     if attention_mask is not None:
@@ -192,9 +195,10 @@ def kvcache_attention(
             kv_start = (kv_start - (total - lengths)).clamp(min=0)
     if positions is None:
         out = _attend_op(query, key, value, lengths, kv_start=kv_start, scale=scaling, window=window,
-                         softcap=float(softcap or 0.0), k_scale=k_scale, v_scale=v_scale)
+                         softcap=float(softcap or 0.0), k_scale=k_scale, v_scale=v_scale,
+                         sink_logits=sink_logits)
     else:
         out = _attend_op(query, key, value, lengths, kv_start=kv_start, scale=scaling, window=window,
                          softcap=float(softcap or 0.0), positions=positions, sinks=sinks, k_scale=k_scale,
-                         v_scale=v_scale)
+                         v_scale=v_scale, sink_logits=sink_logits)
     return out.transpose(1, 2), None
