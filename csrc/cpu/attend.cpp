@@ -294,6 +294,14 @@ void attend_typed(const AttendParams& p) {
   plan.fast_k = p.k_stride[3] == 1 && p.head_dim % lanes == 0;
   plan.fast_v = p.v_stride[3] == 1 && p.head_dim % lanes == 0;
   plan.ring = p.positions != nullptr;
+  // The integer loops (I8DotAvx2): 16 int16 lanes a step, exact int32 sums
+  // up to 256 elements. Only for 16-bit queries: rounding a query row to
+  // int16 (2^-16 of its largest element) adds less to a score than the
+  // queries' own bf16/fp16 rounding did, while fp32 queries keep fp32
+  // scores (the float loops, as every other int8 cache).
+  plan.i8dot = std::is_same_v<TKV, int8_t> && !std::is_same_v<T, float> &&
+               path != Isa::kGeneric && plan.fast_k && p.head_dim % 16 == 0 &&
+               p.head_dim <= 256;
   if (p.softcap > 0.f) {
     plan.qscale = p.scale / p.softcap;
     plan.cap = p.softcap * kLog2e;

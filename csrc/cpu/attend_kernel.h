@@ -117,6 +117,195 @@ void qk_block(const float* q, int64_t ldq, const TK* k, int64_t ldk, int64_t dim
   }
 }
 
+// int8 scores by integer dot products (Dot: I8DotAvx2, see attend_vec.h):
+// S[r, c] = qs[r] * (q16[r] . k[c]) with q16 the task's query rows rounded
+// to int16 (round_queries_i16) and k a block of int8 keys read in place; the
+// key scales are applied to the columns afterwards, as on the float path.
+// qsv[r * C + c] = qs[r]: the rows' scales laid out as the tile's sums.
+template <typename Dot, int R, int C>
+__attribute__((always_inline)) inline void qk_tile_i8(const int16_t* q, int64_t ldq,
+                                                      const int8_t* k, int64_t ldk, int64_t dim,
+                                                      const float* qsv, float* s, int64_t lds) {
+  static_assert(R * C <= 8, "one hsum8 per tile");
+  using VI = typename Dot::VI;
+  VI acc[8];
+#pragma GCC unroll 8
+  for (int x = 0; x < 8; ++x) acc[x] = Dot::zero();
+  for (int64_t d = 0; d < dim; d += Dot::kLanes) {
+    VI kv[C];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) kv[c] = Dot::load_k(k + c * ldk + d);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      VI qv = Dot::load_q(q + r * ldq + d);
+      if constexpr (C > 1) Dot::pin(qv);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[r * C + c] = Dot::dot_acc(acc[r * C + c], qv, kv[c]);
+    }
+  }
+  float out[8];
+  Dot::hsum8(acc, qsv, out);  // accumulators past R * C stay zero
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) s[r * lds + c] = out[r * C + c];
+  }
+}
+
+template <typename Dot, int R>
+inline void qk_rows_i8(const int16_t* q, int64_t ldq, const int8_t* k, int64_t ldk,
+                       int64_t dim, const float* qs, int64_t n, float* s, int64_t lds,
+                       const Ahead* ahead) {
+  // R * C accumulators and C widened keys in 16 registers.
+  constexpr int C = R == 1 ? 8 : R == 2 ? 4 : 2;
+  float qsv[8] = {}, qs1[8] = {};
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) qsv[r * C + c] = qs[r];
+    qs1[r] = qs[r];
+  }
+  int64_t c = 0;
+  for (; c + C <= n; c += C) {
+    if (ahead != nullptr && c < ahead->rows) {
+      const int64_t e = std::min<int64_t>(c + C, ahead->rows);
+      prefetch_rows(ahead->k, ahead->ldk, c, e, ahead->row_bytes);
+      prefetch_rows(ahead->v, ahead->ldv, c, e, ahead->row_bytes);
+    }
+    qk_tile_i8<Dot, R, C>(q, ldq, k + c * ldk, ldk, dim, qsv, s + c, lds);
+  }
+  if (ahead != nullptr && c < ahead->rows) {
+    prefetch_rows(ahead->k, ahead->ldk, c, ahead->rows, ahead->row_bytes);
+    prefetch_rows(ahead->v, ahead->ldv, c, ahead->rows, ahead->row_bytes);
+  }
+  for (; c < n; ++c) qk_tile_i8<Dot, R, 1>(q, ldq, k + c * ldk, ldk, dim, qs1, s + c, lds);
+}
+
+// As qk_block, for int8 keys and int16 query rows (ldq = dim).
+template <typename Dot>
+void qk_block_i8(const int16_t* q, const float* qs, const int8_t* k, int64_t ldk, int64_t dim,
+                 int64_t rows, int64_t n, float* s, int64_t lds, const Ahead* ahead) {
+  if (ahead != nullptr && ahead->k == nullptr) ahead = nullptr;
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    qk_rows_i8<Dot, 4>(q + r * dim, dim, k, ldk, dim, qs + r, n, s + r * lds, lds,
+                       r == 0 ? ahead : nullptr);
+  }
+  const Ahead* a = r == 0 ? ahead : nullptr;
+  switch (rows - r) {
+    case 3: qk_rows_i8<Dot, 3>(q + r * dim, dim, k, ldk, dim, qs + r, n, s + r * lds, lds, a); break;
+    case 2: qk_rows_i8<Dot, 2>(q + r * dim, dim, k, ldk, dim, qs + r, n, s + r * lds, lds, a); break;
+    case 1: qk_rows_i8<Dot, 1>(q + r * dim, dim, k, ldk, dim, qs + r, n, s + r * lds, lds, a); break;
+    default: break;
+  }
+}
+
+// O = alpha O + P V for int8 values (Dot: I8DotAvx2) with the weights of
+// each row rounded to int16: wq[r, j] = round(P[r, j] / ws[r]), ws[r] the
+// row's largest weight of the block / kQMax (2^-16 of it at most, finer than
+// the bf16 rounding of weights a bf16 GEMM makes). Slots go in pairs, one
+// vpmaddwd per pair, row and 8 columns; the int32 sums are exact (at most
+// kBlock / 2 pairs of 2 * 32767 * 128). R rows x 16 columns a tile.
+template <typename Dot, int R>
+__attribute__((always_inline)) inline void pv_tile_i8(const int16_t* wq, int64_t ldw,
+                                                      const int8_t* v, int64_t ldv, int64_t n,
+                                                      float* o, int64_t ldo, const float* alpha,
+                                                      const float* ws) {
+  using VI = typename Dot::VI;
+  VI acc[2 * R];
+#pragma GCC unroll 8
+  for (int x = 0; x < 2 * R; ++x) acc[x] = Dot::zero();
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    VI lo, hi;
+    Dot::load_v_pair(v + j * ldv, v + (j + 1) * ldv, lo, hi);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const VI w = Dot::load_w_pair(wq + r * ldw + j);
+      acc[2 * r] = Dot::dot_acc(acc[2 * r], lo, w);
+      acc[2 * r + 1] = Dot::dot_acc(acc[2 * r + 1], hi, w);
+    }
+  }
+  if (j < n) {  // wq[r, n] is 0 (pv_block_i8)
+    VI lo, hi;
+    Dot::load_v_one(v + j * ldv, lo, hi);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const VI w = Dot::load_w_pair(wq + r * ldw + j);
+      acc[2 * r] = Dot::dot_acc(acc[2 * r], lo, w);
+      acc[2 * r + 1] = Dot::dot_acc(acc[2 * r + 1], hi, w);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    Dot::finish(o + r * ldo, acc[2 * r], alpha[r], ws[r]);
+    Dot::finish(o + r * ldo + 8, acc[2 * r + 1], alpha[r], ws[r]);
+  }
+}
+
+// Rows [0, rows) of the block: P (the weights, value scales applied) to
+// int16 in sc.wq, then O = alpha O + P V by pv_tile_i8. Returns false, having
+// done nothing, when a row's weights are not all finite (NaN data, or an
+// infinite scale): the float loops then give the IEEE result.
+template <typename Dot>
+bool pv_block_i8(const float* p, int64_t ldp, const int8_t* v, int64_t ldv, int64_t n, float* o,
+                 int64_t ldo, const float* alpha, int64_t rows, int64_t dim, int16_t* wq,
+                 float* ws) {
+  const int64_t ldw = kBlock + 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* pr = p + r * ldp;
+    float wmax = 0.f;
+    if (!Dot::finite_max(pr, n, wmax)) return false;
+    int16_t* w = wq + r * ldw;
+    if (wmax > 0.f) {
+      Dot::round_to_i16(pr, n, float(Dot::kQMax) / wmax, w);
+      ws[r] = wmax / float(Dot::kQMax);
+    } else {
+      std::fill(w, w + n, int16_t{0});
+      ws[r] = 0.f;
+    }
+    w[n] = 0;
+  }
+  for (int64_t d = 0; d < dim; d += 16) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) {
+      pv_tile_i8<Dot, 4>(wq + r * ldw, ldw, v + d, ldv, n, o + r * ldo + d, ldo, alpha + r, ws + r);
+    }
+    switch (rows - r) {
+      case 3: pv_tile_i8<Dot, 3>(wq + r * ldw, ldw, v + d, ldv, n, o + r * ldo + d, ldo, alpha + r, ws + r); break;
+      case 2: pv_tile_i8<Dot, 2>(wq + r * ldw, ldw, v + d, ldv, n, o + r * ldo + d, ldo, alpha + r, ws + r); break;
+      case 1: pv_tile_i8<Dot, 1>(wq + r * ldw, ldw, v + d, ldv, n, o + r * ldo + d, ldo, alpha + r, ws + r); break;
+      default: break;
+    }
+  }
+  return true;
+}
+
+// The task's scaled query rows (sc.q, float) rounded to int16 for
+// qk_block_i8: row r becomes sc.q16[r * dim + :] * sc.qs[r], with
+// qs[r] = absmax / kQMax. A row with a NaN or infinite element gets a NaN
+// scale, so its scores are NaN as on the float path.
+template <typename Dot>
+inline void round_queries_i16(const Plan& plan, int64_t rows, Scratch& sc) {
+  const int64_t D = plan.dim, Dp = plan.dim_pad;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = sc.q.data() + r * Dp;
+    int16_t* dst = sc.q16.data() + r * D;
+    float amax = 0.f;
+    bool finite = true;
+    for (int64_t d = 0; d < D; ++d) {
+      finite = finite && std::isfinite(src[d]);
+      amax = std::max(amax, std::fabs(src[d]));
+    }
+    if (!finite || amax == 0.f) {
+      std::fill(dst, dst + D, int16_t{0});
+      sc.qs[r] = finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    const float inv = float(Dot::kQMax) / amax;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<int16_t>(std::nearbyint(src[d] * inv));
+    sc.qs[r] = amax / float(Dot::kQMax);
+  }
+}
+
 // o[r, :LW] = alpha[r] * o[r, :LW] + sum_j p[r, j] * v[j, :LW] for R rows
 // (L = Vec::kLanes).
 template <int R, int W, typename TV>
@@ -275,6 +464,11 @@ inline void start_task(const Plan& plan, const Task& t, Scratch& sc) {
   std::fill(sc.l.data(), sc.l.data() + rows, 0.f);
 }
 
+// Whether an int8 cache's in-place blocks are scored by qk_block_i8 on this
+// ISA (when Plan::i8dot also holds for the call).
+template <typename TKV>
+constexpr bool kI8Dot = std::is_same_v<TKV, int8_t> && Vec::kI8Dot;
+
 // T: the queries' and output's dtype; TKV: the cache's (T, or int8_t /
 // Float8_e4m3fn for a quantized cache, whose scales p.k_scale / p.v_scale
 // are applied per slot).
@@ -315,6 +509,9 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
   }
 
   start_task<T>(plan, t, sc);
+  if constexpr (kI8Dot<TKV>) {
+    if (plan.i8dot) round_queries_i16<typename Vec::I8>(plan, rows, sc);
+  }
 
   const TKV* kbase = static_cast<const TKV*>(p.k) + t.b * p.k_stride[0] + t.kvh * p.k_stride[1];
   const TKV* vbase = static_cast<const TKV*>(p.v) + t.b * p.v_stride[0] + t.kvh * p.v_stride[1];
@@ -358,7 +555,17 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
       ahead.row_bytes = D * int64_t(sizeof(TKV));
       ahead.rows = std::min(kBlock, task_hi - cend);
     }
-    if (plan.fast_k) {
+    bool scored = false;
+    if constexpr (kI8Dot<TKV>) {
+      if (plan.i8dot) {
+        qk_block_i8<typename Vec::I8>(sc.q16.data() + ra * D, sc.qs.data() + ra,
+                                      kbase + c0 * p.k_stride[2], p.k_stride[2], D, rb - ra, n,
+                                      S + ra * kBlock, kBlock, &ahead);
+        scored = true;
+      }
+    }
+    if (scored) {
+    } else if (plan.fast_k) {
       qk_block(Q + ra * Dp, Dp, kbase + c0 * p.k_stride[2], p.k_stride[2], D, rb - ra, n,
                S + ra * kBlock, kBlock, &ahead);
     } else {
@@ -374,7 +581,16 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
       softmax_row(S + r * kBlock, a, e, n8, plan.cap, m[r], l[r], alpha[r]);
     }
     if constexpr (kQuantized) scale_columns(S, ra, rb, n, vscale + c0 * p.vs_stride[2], p.vs_stride[2]);
-    if (plan.fast_v) {
+    bool mixed = false;
+    if constexpr (kI8Dot<TKV>) {
+      if (plan.i8dot && plan.fast_v) {
+        mixed = pv_block_i8<typename Vec::I8>(S + ra * kBlock, kBlock, vbase + c0 * p.v_stride[2],
+                                              p.v_stride[2], n, O + ra * Dp, Dp, alpha + ra,
+                                              rb - ra, D, sc.wq.data(), sc.ws.data());
+      }
+    }
+    if (mixed) {
+    } else if (plan.fast_v) {
       pv_block(S + ra * kBlock, kBlock, vbase + c0 * p.v_stride[2], p.v_stride[2], n,
                O + ra * Dp, Dp, alpha + ra, rb - ra, D);
     } else {
@@ -447,6 +663,9 @@ void run_task_ring(const Plan& plan, const Task& t, Scratch& sc) {
   }
 
   start_task<T>(plan, t, sc);
+  if constexpr (kI8Dot<TKV>) {
+    if (plan.i8dot) round_queries_i16<typename Vec::I8>(plan, rows, sc);
+  }
   std::fill(seen, seen + nt, int64_t{0});
 
   const TKV* kbase = static_cast<const TKV*>(p.k) + t.b * p.k_stride[0] + t.kvh * p.k_stride[1];
@@ -490,8 +709,19 @@ void run_task_ring(const Plan& plan, const Task& t, Scratch& sc) {
           ahead.rows = n_next;
         }
       }
-      qk_block(Q, Dp, kbase + sc.sel[c0] * p.k_stride[2], p.k_stride[2], D, rows, n, S, kBlock,
-               &ahead);
+      bool scored = false;
+      if constexpr (kI8Dot<TKV>) {
+        if (plan.i8dot) {
+          qk_block_i8<typename Vec::I8>(sc.q16.data(), sc.qs.data(),
+                                        kbase + sc.sel[c0] * p.k_stride[2], p.k_stride[2], D,
+                                        rows, n, S, kBlock, &ahead);
+          scored = true;
+        }
+      }
+      if (!scored) {
+        qk_block(Q, Dp, kbase + sc.sel[c0] * p.k_stride[2], p.k_stride[2], D, rows, n, S, kBlock,
+                 &ahead);
+      }
       // A quantized run: the key scales on the scores, as in run_task.
       if constexpr (kQuantized) {
         scale_columns(S, 0, rows, n, kscale + sc.sel[c0] * p.ks_stride[2], p.ks_stride[2]);
@@ -526,8 +756,18 @@ void run_task_ring(const Plan& plan, const Task& t, Scratch& sc) {
       if constexpr (kQuantized) {
         scale_columns(S, 0, rows, n, vscale + sc.sel[c0] * p.vs_stride[2], p.vs_stride[2]);
       }
-      pv_block(S, kBlock, vbase + sc.sel[c0] * p.v_stride[2], p.v_stride[2], n, O, Dp, alpha,
-               rows, D);
+      bool mixed = false;
+      if constexpr (kI8Dot<TKV>) {
+        if (plan.i8dot) {
+          mixed = pv_block_i8<typename Vec::I8>(S, kBlock, vbase + sc.sel[c0] * p.v_stride[2],
+                                                p.v_stride[2], n, O, Dp, alpha, rows, D,
+                                                sc.wq.data(), sc.ws.data());
+        }
+      }
+      if (!mixed) {
+        pv_block(S, kBlock, vbase + sc.sel[c0] * p.v_stride[2], p.v_stride[2], n, O, Dp, alpha,
+                 rows, D);
+      }
     } else {
       for (int64_t j = 0; j < n; ++j) {
         pack_rows(vbase + sc.sel[c0 + j] * p.v_stride[2], 0, p.v_stride[3], 1, D, Dp, vb + j * Dp);

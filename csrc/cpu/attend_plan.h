@@ -39,6 +39,11 @@ struct Plan {
   bool fast_k = false; // keys read in place (unit element stride, dim % lanes == 0)
   bool fast_v = false;
   bool ring = false;   // p->positions: slots read by position (run_task_ring)
+  // An int8 cache read with bf16 or fp16 queries, keys read in place,
+  // head_dim a multiple of 16 and at most 256: scores and weighted values by
+  // integer dot products (qk_block_i8, pv_block_i8: queries and weights
+  // rounded to int16) where the ISA has them (Vec::kI8Dot).
+  bool i8dot = false;
   // Scores in log2 units: q is scaled by scale * log2(e); with a softcap,
   // by scale / softcap, and the score becomes cap * tanh(q.k) with
   // cap = softcap * log2(e).
@@ -69,6 +74,10 @@ struct Scratch {
   // per-(position, slot) visibility of a block.
   std::vector<int64_t> sel, sel_pos;
   std::vector<unsigned char> vis;
+  // Plan::i8dot: the query rows rounded to int16 (rows x dim) and their
+  // scales; a block's weights rounded to int16 (rows x (kBlock + 2)) and theirs.
+  std::vector<int16_t> q16, wq;
+  std::vector<float> qs, ws;
 
   explicit Scratch(const Plan& plan) {
     const int64_t rows = plan.max_rows();
@@ -81,6 +90,12 @@ struct Scratch {
       sel.assign(plan.p->max_len, 0);
       sel_pos.assign(plan.p->max_len, 0);
       vis.assign(plan.tile * kBlock, 0);
+    }
+    if (plan.i8dot) {
+      q16.assign(rows * plan.dim, 0);
+      qs.assign(rows, 0.f);
+      wq.assign(rows * (kBlock + 2), 0);
+      ws.assign(rows, 0.f);
     }
     m.assign(rows, 0.f);
     l.assign(rows, 0.f);

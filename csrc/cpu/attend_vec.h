@@ -56,6 +56,8 @@ struct VecGeneric {
   static constexpr const char* kName = "generic";
   static constexpr int kLanes = 8;
   static constexpr int kAcc = 8;
+  static constexpr bool kI8Dot = false;  // int8 caches take the float loops
+  using I8 = void;
 
   static inline V zero() { return set1(0.f); }
   static inline V set1(float x) { return V{x, x, x, x, x, x, x, x}; }
@@ -149,11 +151,123 @@ struct VecGeneric {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
+// Integer dot products of int8 keys with int16 queries (AVX2): a quantized
+// int8 cache's scores without widening every key to float32. vpmaddwd takes
+// sixteen int16 pairs a uop (one int8 -> int16 widening a key vector,
+// shared by the task's query rows), where the float path spends a widening,
+// a conversion and two FMAs per eight elements. Each query row is rounded
+// to int16 with its own scale (absmax / 32767, a relative error near 1e-5,
+// far below the keys' int8 rounding); the int32 sums are exact while
+// head_dim * 32767 * 128 < 2^31 (head_dim <= kMaxDim).
+struct I8DotAvx2 {
+  using VI = __m256i;
+  static constexpr int kLanes = 16;      // int16 per vector
+  static constexpr int kMaxDim = 256;    // exact int32 sums, with margin
+  static constexpr int kQMax = 32767;    // queries' int16 range
+
+  static inline VI zero() { return _mm256_setzero_si256(); }
+  static inline VI load_k(const int8_t* p) {
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static inline VI load_q(const int16_t* p) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  }
+  static inline void pin(VI& a) { asm("" : "+x"(a)); }
+  // acc + pairwise products of q and k, summed in pairs into int32 lanes.
+  static inline VI dot_acc(VI acc, VI q, VI k) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(q, k));
+  }
+  // Values, two slots at a time: the int16 pairs (a[d], b[d]) of the rows
+  // a and b at columns [0, 8) into lo and [8, 16) into hi, so that one
+  // vpmaddwd with a broadcast weight pair (wa, wb) gives
+  // wa * a[d] + wb * b[d] in int32 lane d.
+  static inline void load_v_pair(const int8_t* a, const int8_t* b, VI& lo, VI& hi) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+    const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+    lo = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(x, y));
+    hi = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(x, y));
+  }
+  // The last slot of an odd count: its pair partner is zero.
+  static inline void load_v_one(const int8_t* a, VI& lo, VI& hi) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+    const __m128i z = _mm_setzero_si128();
+    lo = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(x, z));
+    hi = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(x, z));
+  }
+  // Two int16 weights (w[0], w[1]) in every int32 lane.
+  static inline VI load_w_pair(const int16_t* w) {
+    int32_t x;
+    std::memcpy(&x, w, sizeof(x));
+    return _mm256_set1_epi32(x);
+  }
+  // The largest of p[0, n) (weights: >= 0, or not finite from NaN data or
+  // an infinite scale); false if any is NaN or infinite.
+  static inline bool finite_max(const float* p, int64_t n, float& mx) {
+    __m256 m = _mm256_setzero_ps();
+    __m256 bad = _mm256_setzero_ps();
+    const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      const __m256 x = _mm256_loadu_ps(p + j);
+      m = _mm256_max_ps(m, x);
+      // |x| == inf or x unordered (NaN): not finite.
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_and_ps(x, absmask), inf, _CMP_NLT_UQ));
+    }
+    float out[8];
+    _mm256_storeu_ps(out, m);
+    float r = 0.f;
+    for (int i = 0; i < 8; ++i) r = std::max(r, out[i]);
+    bool ok = _mm256_movemask_ps(bad) == 0;
+    for (; j < n; ++j) {
+      ok = ok && std::isfinite(p[j]);
+      r = std::max(r, p[j]);
+    }
+    mx = r;
+    return ok;
+  }
+  // w[j] = round(p[j] * inv) (to nearest even, as std::nearbyint) for
+  // j < n; the results fit int16 (p[j] * inv <= kQMax).
+  static inline void round_to_i16(const float* p, int64_t n, float inv, int16_t* w) {
+    const __m256 f = _mm256_set1_ps(inv);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+      const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(p + j), f));
+      const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(p + j + 8), f));
+      // packs works within 128-bit lanes: a0-3 b0-3 a4-7 b4-7, then reorder.
+      const __m256i ab = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + j), ab);
+    }
+    for (; j < n; ++j) w[j] = static_cast<int16_t>(std::nearbyint(p[j] * inv));
+  }
+  // o[0, 8) = o * alpha + float(acc) * ws.
+  static inline void finish(float* o, VI acc, float alpha, float ws) {
+    const __m256 f = _mm256_cvtepi32_ps(acc);
+    _mm256_storeu_ps(o, _mm256_fmadd_ps(f, _mm256_set1_ps(ws),
+                                        _mm256_mul_ps(_mm256_loadu_ps(o), _mm256_set1_ps(alpha))));
+  }
+  // out[x] = float(sum of the int32 lanes of in[x]) * scale[x] for eight
+  // accumulators (as VecAvx2::hsum8).
+  static inline void hsum8(const VI* in, const float* scale, float* out) {
+    const __m256i t0 = _mm256_hadd_epi32(in[0], in[1]);
+    const __m256i t1 = _mm256_hadd_epi32(in[2], in[3]);
+    const __m256i t2 = _mm256_hadd_epi32(in[4], in[5]);
+    const __m256i t3 = _mm256_hadd_epi32(in[6], in[7]);
+    const __m256i u0 = _mm256_hadd_epi32(t0, t1);
+    const __m256i u1 = _mm256_hadd_epi32(t2, t3);
+    const __m256i r = _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
+                                       _mm256_permute2x128_si256(u0, u1, 0x31));
+    _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(r), _mm256_loadu_ps(scale)));
+  }
+};
+
 struct VecAvx2 {
   using V = __m256;
   static constexpr const char* kName = "avx2";
   static constexpr int kLanes = 8;
   static constexpr int kAcc = 8;  // of 16 ymm registers
+  static constexpr bool kI8Dot = true;  // int8 scores by I8DotAvx2
+  using I8 = I8DotAvx2;
 
   static inline V zero() { return _mm256_setzero_ps(); }
   static inline V set1(float x) { return _mm256_set1_ps(x); }
@@ -267,6 +381,10 @@ struct VecAvx512 {
   static constexpr const char* kName = "avx512";
   static constexpr int kLanes = 16;
   static constexpr int kAcc = 16;  // of 32 zmm registers
+  // int8 scores by I8DotAvx2's 256-bit loops (the same code the AVX2 path
+  // runs and the tests check on AVX2 machines).
+  static constexpr bool kI8Dot = true;
+  using I8 = I8DotAvx2;
 
   static inline V zero() { return _mm512_setzero_ps(); }
   static inline V set1(float x) { return _mm512_set1_ps(x); }

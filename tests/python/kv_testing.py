@@ -180,3 +180,18 @@ WRITERS = {
     "append_": lambda c, kn, vn: torch.ops.kvcache.append_(c.keys, c.values, c.length, kn, vn),
     "select_rows_": lambda c, kn, vn: torch.ops.kvcache.select_rows_(c.keys, c.values, c.length, torch.tensor([1, 0])),
 }
+
+
+@contextlib.contextmanager
+def forced_split():
+    """CPU attend with helper threads and splits at any size: parallel_work 0, splits of one block
+    (64 slots), 2 threads; the settings are restored after."""
+    saved_tuning = kvcache._C.attend_cpu_tuning()
+    saved_threads = torch.get_num_threads()
+    kvcache._C.set_attend_cpu_tuning(parallel_work=0.0, min_split=1)
+    torch.set_num_threads(2)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved_threads)
+        kvcache._C.set_attend_cpu_tuning(**saved_tuning)

@@ -19,6 +19,7 @@ from torch.library import opcheck
 
 import kvcache
 from kv_testing import device  # noqa: F401  (the device fixture)
+import kv_testing
 from kv_testing import no_host_sync
 from references import assert_close
 from references import attention_reference as reference
@@ -276,18 +277,10 @@ def test_long_rows_split_across_threads(threads, dtype):
         torch.set_num_threads(saved)
 
 
-@pytest.fixture
-def forced_split():
-    """Helper threads and splits at any size: parallel_work 0, splits of one block (64 slots), 2 threads."""
-    saved_tuning = kvcache._C.attend_cpu_tuning()
-    saved_threads = torch.get_num_threads()
-    kvcache._C.set_attend_cpu_tuning(parallel_work=0.0, min_split=1)
-    torch.set_num_threads(2)
-    try:
+@pytest.fixture(name="forced_split")
+def _forced_split():
+    with kv_testing.forced_split():
         yield
-    finally:
-        torch.set_num_threads(saved_threads)
-        kvcache._C.set_attend_cpu_tuning(**saved_tuning)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

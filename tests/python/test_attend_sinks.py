@@ -14,23 +14,10 @@ import pytest
 import torch
 
 import kvcache
-from kv_testing import random_tensor
+from kv_testing import forced_split, random_tensor
 from references import attention_reference as reference
 
 ops = torch.ops.kvcache
-
-
-@contextlib.contextmanager
-def forced_split():
-    saved = kvcache._C.attend_cpu_tuning()
-    threads = torch.get_num_threads()
-    kvcache._C.set_attend_cpu_tuning(parallel_work=0.0, min_split=1)
-    torch.set_num_threads(2)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-        kvcache._C.set_attend_cpu_tuning(**saved)
 
 
 def _case(b, h, kvh, s, d, t, dtype=torch.float32, seed=0):
