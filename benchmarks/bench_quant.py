@@ -27,6 +27,12 @@ as examples/hf_generate.py). Tables:
    32 elements (llama.cpp's ``q8_0`` layout), against the same attention without rounding; and the
    implementation noise floor (the fp32 kvcache against fp32 SDPA over a DynamicCache).
 
+7. (``--int-loops``) What the integer loops add: SmolLM2 in bf16 through an int8 cache, read by
+   the kernel's integer dot products (queries and weights rounded to int16; bf16/fp16 queries on
+   AVX2/AVX-512) against the float loops (``KVCACHE_ATTEND_ISA=generic``), and both against the
+   bf16 cache, next to the bf16 model's own noise floor (the bf16 cache through two float
+   loops): KL and top-1 agreement.
+
 Every timing is the median over interleaved rounds with the min-max spread (common.py); the machine
 may be shared, so run with ``--repeats`` > 1 to see the spread between whole runs too.
 """
@@ -135,7 +141,7 @@ def corpus_text() -> str:
     return text
 
 
-def load_model(gguf):
+def load_model(gguf, dtype=torch.float32):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -144,16 +150,26 @@ def load_model(gguf):
     hf_logging.disable_progress_bar()
     folder, name = os.path.dirname(gguf), os.path.basename(gguf)
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype,
                                                  attn_implementation="kvcache").eval()
     model.generation_config.pad_token_id = tok.eos_token_id
     return tok, model
 
 
+def load_ids(gguf, tokens):
+    from transformers import AutoTokenizer
+
+    folder, name = os.path.dirname(gguf), os.path.basename(gguf)
+    ids = AutoTokenizer.from_pretrained(folder, gguf_file=name)(corpus_text(), return_tensors="pt")["input_ids"]
+    if ids.shape[1] < tokens + 1:
+        raise SystemExit(f"the text has {ids.shape[1]} tokens, fewer than --tokens {tokens}")
+    return ids[:, :tokens]
+
+
 def make_cache(model, max_len, kv_dtype):
     import kvcache.hf as kh
 
-    return kh.KVCache(model.config, max_len, batch_size=1, dtype=torch.float32, device="cpu", kv_dtype=kv_dtype)
+    return kh.KVCache(model.config, max_len, batch_size=1, dtype=model.dtype, device="cpu", kv_dtype=kv_dtype)
 
 
 @torch.inference_mode()
@@ -193,6 +209,38 @@ def quality(model, ids):
 
 
 FLT_MIN = 1.17549435e-38
+
+
+def int_loop_rows(gguf, ids):
+    """Table 7: what the integer loops of an int8 cache read with bf16 queries add. SmolLM2 in
+    bf16, teacher-forced through an int8 cache, with the kernel's integer loops (this process)
+    against the float loops (a subprocess with KVCACHE_ATTEND_ISA=generic, which reads int8 by
+    float32 loads), and both against the bf16 cache; the first row is the noise floor of a bf16
+    model (the bf16 cache through the AVX2 and the portable float loops: the same arithmetic in
+    another order, rounded to bf16 at every layer)."""
+    import tempfile
+
+    _, model = load_model(gguf, torch.bfloat16)
+    lp_int = teacher_forced_logprobs(model, ids, "int8")
+    lp_bf16 = teacher_forced_logprobs(model, ids, None)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "lp.pt")
+        env = dict(os.environ, KVCACHE_ATTEND_ISA="generic")
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--gguf", gguf, "--tokens", str(ids.shape[1]),
+                        "--_dump-float-loops", path], env=env, check=True)
+        lp_float, lp_bf16_generic = torch.load(path)
+
+    def row(name, lp, ref):
+        kl = (ref.exp() * (ref - lp)).sum(-1).mean().item()
+        top1 = (lp.argmax(-1) == ref.argmax(-1)).double().mean().item() * 100
+        return dict(compared=name, kl=f"{kl:.2e}", top1=f"{top1:.2f}%")
+
+    return [
+        row("bf16 cache, AVX2 loops vs portable loops (the bf16 model's noise floor)", lp_bf16, lp_bf16_generic),
+        row("int8, integer loops vs int8, float loops (what the int16 rounding adds)", lp_int, lp_float),
+        row("int8, float loops vs bf16 cache (what int8 storage adds)", lp_float, lp_bf16),
+        row("int8, integer loops vs bf16 cache", lp_int, lp_bf16),
+    ]
 
 
 def _fake_int8(x, block):
@@ -390,6 +438,9 @@ def main(argv=None) -> int:
     p.add_argument("--emulate", action="store_true", help="also table 6 (what the top-1 bar can be met by)")
     p.add_argument("--quality-only", action="store_true", help="only the quality tables (1, 5, 6)")
     p.add_argument("--emulate-only", action="store_true", help="only table 6")
+    p.add_argument("--int-loops", action="store_true",
+                   help="only table 7 (what the integer loops for bf16 queries over int8 add)")
+    p.add_argument("--_dump-float-loops", dest="dump_float_loops", default=None, help=argparse.SUPPRESS)
     p.add_argument("--layers", type=int, default=30,
                    help="caches per decode step in the model-like attend table (SmolLM2 has 30 layers)")
     args = p.parse_args(argv)
@@ -397,8 +448,21 @@ def main(argv=None) -> int:
     os.environ.setdefault("TQDM_DISABLE", "1")
     if args.quick:
         args.tokens, args.filled, args.min_time = 512, [16384], 0.2
+    if args.dump_float_loops:  # table 7's subprocess: the bf16 model's int8 log-probs
+        _, model = load_model(locate_gguf(args.gguf, args.cache_dir), torch.bfloat16)
+        tok_ids = load_ids(locate_gguf(args.gguf, args.cache_dir), args.tokens)
+        with num_threads(2):
+            torch.save((teacher_forced_logprobs(model, tok_ids, "int8"),
+                        teacher_forced_logprobs(model, tok_ids, None)), args.dump_float_loops)
+        return 0
     print(f"CPU: {cpu_model()}; attend kernel ISA: {kernel_isa()}; torch {torch.__version__}; "
           f"kvcache {kvcache.__version__}; default threads {torch.get_num_threads()}")
+    if args.int_loops:
+        gguf = locate_gguf(args.gguf, args.cache_dir)
+        with num_threads(2):
+            print_table(f"int8 with bf16 queries: SmolLM2-135M in bf16, {args.tokens} tokens in chunks of {CHUNK}",
+                        int_loop_rows(gguf, load_ids(gguf, args.tokens)), ["compared", "kl", "top1"])
+        return 0
 
     print_table("Memory: SmolLM2-135M cache, 4096 slots, batch 1 (scales included)", memory_rows(),
                 ["cache", "MiB", "vs_fp32", "vs_bf16", "meets"])

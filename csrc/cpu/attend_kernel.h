@@ -22,6 +22,9 @@
 //   O = alpha O + P V  broadcast micro-kernel (R rows x 16 to 64 columns
 //                      of head_dim, values read in place).
 //
+// An int8 cache read with bf16/fp16 queries on AVX2/AVX-512 (Plan::i8dot)
+// runs both products on integers instead: qk_block_i8 and pv_block_i8.
+//
 // Only slots some query of the task may see are read: [kv_start, length)
 // at most, cut to the queries' causal and window limits. A slot another
 // row of the block sees but this row does not gets weight exactly 0.

@@ -17,7 +17,9 @@
 //   fma(a, b, c) = a * b + c, max,
 //   reduce_add, reduce_max, hsum8(const V[8], float*) (out[k] = sum of the
 //   lanes of in[k]), exp2 (exact 0 below 2^-126, so a -inf score gives an
-//   exact 0 weight; NaN propagates), tanh.
+//   exact 0 weight; NaN propagates), tanh; and kI8Dot / I8, whether int8
+//   caches with 16-bit queries take integer dot products, and their
+//   primitives (I8DotAvx2, for AVX2 and AVX-512; void for the portable flavour).
 #pragma once
 
 #include <c10/util/BFloat16.h>
