@@ -12,6 +12,9 @@ step (decode), the ring full (wrapped).
   returned window (one query: no mask). Both caches hold the last 4096 tokens.
 * flat: the ring's step at logical context lengths 1k .. 32k (a prompt of that length written
   through the long-chunk path first): the cost must not grow with the context.
+* quantized write: an int8 ring's write of a chunk (1, 64, 8192 tokens, bfloat16 new data) by
+  ``ring_update_quantized_`` (one call) against the former three-call path (``update_quantized_``
+  into a chunk-sized staging buffer, then ``ring_update_`` for the data and for the scales).
 
 Every case is timed interleaved over rounds (median, min-max spread of round medians; see
 common.py), at each ``--threads`` setting. The CPU model and the attend kernel's ISA are printed.
@@ -113,9 +116,51 @@ def main() -> None:
                 rows.append(dict(case=f"ring decode at context {ctx}", threads=n, method="write + attend",
                                  us=spread(m[ctx]), median_us=m[ctx]["median_us"],
                                  speedup=f"{m[ctx]['median_us'] / base:.2f}x of 4k"))
-    print_table("Ring decode step (us: median (min-max of round medians))", rows,
+    qrows = quantized_write_rows(args, g)
+    print_table("Quantized ring write (us: median (min-max of round medians))", qrows,
+                ["case", "threads", "method", "us", "speedup"])
+    rows += qrows
+    print_table("Ring decode step (us: median (min-max of round medians))", rows[:len(rows) - len(qrows)],
                 ["case", "threads", "method", "us", "speedup"])
     write_json(args.json, env, args, rows)
+
+
+def quantized_write_rows(args, g: torch.Generator) -> list:
+    ops = torch.ops.kvcache
+    rows = []
+    chunks = [1, 64, 8192] if not args.quick else [1, 8192]
+    for threads in thread_settings(args.threads):
+        with num_threads(threads) as n:
+            ring = kvcache.init_ring_layer_cache(1, KV_HEADS, D, WINDOW, torch.float32, kv_dtype="int8")
+            for chunk in chunks:
+                kn = torch.randn(1, KV_HEADS, chunk, D, generator=g).bfloat16()
+                vn = torch.randn(1, KV_HEADS, chunk, D, generator=g).bfloat16()
+                start = torch.tensor(WINDOW + 1000, dtype=torch.int32)  # a full, wrapped ring
+
+                def fused(kn=kn, vn=vn, start=start):
+                    return ops.ring_update_quantized_(ring.keys, ring.values, ring.k_scale, ring.v_scale,
+                                                      ring.positions, kn, vn, start, sinks=ring.sinks)
+
+                def three(kn=kn, vn=vn, start=start):
+                    b, h, c, d = kn.shape
+                    tk = torch.empty(b, h, c, d, dtype=torch.int8)
+                    tv = torch.empty(b, h, c, d, dtype=torch.int8)
+                    tks, tvs = torch.empty(b, h, c), torch.empty(b, h, c)
+                    ops.update_quantized_(tk, tv, tks, tvs, kn, vn, 0)
+                    length = ops.ring_update_(ring.keys, ring.values, ring.positions, tk, tv, start,
+                                              sinks=ring.sinks)
+                    ops.ring_update_(ring.k_scale.unsqueeze(-1), ring.v_scale.unsqueeze(-1), ring.positions,
+                                     tks.unsqueeze(-1), tvs.unsqueeze(-1), start, sinks=ring.sinks)
+                    return length
+
+                m = measure_many({"fused": fused, "three": three}, torch.device("cpu"), args.min_time)
+                case = f"int8 ring write, chunk {chunk}"
+                rows.append(dict(case=case, threads=n, method="ring_update_quantized_ (1 call)",
+                                 us=spread(m["fused"]), median_us=m["fused"]["median_us"],
+                                 speedup=f"{m['three']['median_us'] / m['fused']['median_us']:.2f}x"))
+                rows.append(dict(case=case, threads=n, method="staging + 2x ring_update_ (3 calls)",
+                                 us=spread(m["three"]), median_us=m["three"]["median_us"]))
+    return rows
 
 
 if __name__ == "__main__":

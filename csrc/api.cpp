@@ -281,6 +281,21 @@ at::Tensor ring_update_(at::Tensor& keys, at::Tensor& values,
   return op.call(keys, values, positions, keys_new, values_new, start, sinks);
 }
 
+at::Tensor ring_update_quantized_(at::Tensor& keys, at::Tensor& values,
+                                  at::Tensor& k_scale, at::Tensor& v_scale,
+                                  at::Tensor& positions,
+                                  const at::Tensor& keys_new,
+                                  const at::Tensor& values_new,
+                                  const at::Tensor& start, int64_t sinks) {
+  static const auto op =
+      typed<at::Tensor(at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,
+                       at::Tensor&, const at::Tensor&, const at::Tensor&,
+                       const at::Tensor&, int64_t)>(
+          "kvcache::ring_update_quantized_", "");
+  return op.call(keys, values, k_scale, v_scale, positions, keys_new,
+                 values_new, start, sinks);
+}
+
 RingLayerCache init_ring_layer_cache(int64_t batch_size, int64_t num_kv_heads,
                                      int64_t head_dim, int64_t window,
                                      at::ScalarType dtype, c10::Device device,
@@ -326,24 +341,25 @@ RingKV write_ring_layer_cache(const RingLayerCache& cache,
   RingKV kv{c.keys, c.values, c.positions, c.length, c.window, c.sinks,
             c.k_scale, c.v_scale};
   const int64_t chunk = keys_new.dim() == 4 ? keys_new.size(2) : 0;
-  // A quantized ring: the chunk quantized into staging first (its checks
-  // name any bad new data before the ring is touched).
-  at::Tensor kq = keys_new, vq = values_new, ks, vs;
-  if (c.quantized()) {
-    TORCH_CHECK_VALUE(keys_new.dim() == 4,
-                      "keys_new must be (batch, num_kv_heads, chunk, head_dim), "
-                      "got shape ", keys_new.sizes());
-    const auto& sz = keys_new.sizes();
-    kq = at::empty(sz, keys_new.options().dtype(c.keys.scalar_type()));
-    vq = at::empty(sz, keys_new.options().dtype(c.keys.scalar_type()));
-    ks = at::empty({sz[0], sz[1], sz[2]}, keys_new.options().dtype(at::kFloat));
-    vs = at::empty({sz[0], sz[1], sz[2]}, keys_new.options().dtype(at::kFloat));
-    update_quantized_(kq, vq, ks, vs, keys_new, values_new, int64_t{0});
-  }
   if (chunk > c.max_step) {
     // The chunk's early queries need keys its own later tokens overwrite in
     // the ring: attend over the ring's slots from before the write (stale
-    // positions >= start masked as empty) plus the chunk.
+    // positions >= start masked as empty) plus the chunk. A quantized ring's
+    // chunk is quantized for that view by update_quantized_ (the quantizer
+    // of ring_update_quantized_: exactly the bytes and scales the ring keeps;
+    // its checks name bad new data before the ring is touched).
+    at::Tensor kq = keys_new, vq = values_new, ks, vs;
+    if (c.quantized()) {
+      TORCH_CHECK_VALUE(keys_new.dim() == 4,
+                        "keys_new must be (batch, num_kv_heads, chunk, "
+                        "head_dim), got shape ", keys_new.sizes());
+      const auto& sz = keys_new.sizes();
+      kq = at::empty(sz, keys_new.options().dtype(c.keys.scalar_type()));
+      vq = at::empty(sz, keys_new.options().dtype(c.keys.scalar_type()));
+      ks = at::empty({sz[0], sz[1], sz[2]}, keys_new.options().dtype(at::kFloat));
+      vs = at::empty({sz[0], sz[1], sz[2]}, keys_new.options().dtype(at::kFloat));
+      update_quantized_(kq, vq, ks, vs, keys_new, values_new, int64_t{0});
+    }
     at::Tensor s = c.length.to(at::kInt);
     if (s.dim() == 1) s = s.view({-1, 1});
     const int64_t batch = c.positions.size(0);
@@ -358,14 +374,15 @@ RingKV write_ring_layer_cache(const RingLayerCache& cache,
       kv.v_scale = at::cat({c.v_scale, vs}, 2);
     }
   }
-  at::Tensor length = ring_update_(c.keys, c.values, c.positions, kq, vq,
-                                   c.length, c.sinks);
-  if (c.quantized()) {
-    // Same start and positions as the call above, which checked them.
-    at::Tensor ksv = c.k_scale.unsqueeze(-1), vsv = c.v_scale.unsqueeze(-1);
-    ring_update_(ksv, vsv, c.positions, ks.unsqueeze(-1), vs.unsqueeze(-1),
-                 c.length, c.sinks);
-  }
+  // One operator call: a quantized ring's data, scales and positions are
+  // quantized and placed together.
+  at::Tensor length =
+      c.quantized()
+          ? ring_update_quantized_(c.keys, c.values, c.k_scale, c.v_scale,
+                                   c.positions, keys_new, values_new, c.length,
+                                   c.sinks)
+          : ring_update_(c.keys, c.values, c.positions, keys_new, values_new,
+                         c.length, c.sinks);
   c.length.copy_(length);
   kv.length = c.length;
   return kv;

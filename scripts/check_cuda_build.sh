@@ -89,7 +89,7 @@ for line in open(sys.argv[1], errors="replace"):
         rows[-1][2] = int(m.group(1))
 def short(name):
     m = re.search(r"(update_copy_kernel|validate_starts_kernel|attend_combine_kernel|attend_kernel|"
-                  r"rollback_kernel|select_plan_kernel|select_move_kernel|ring_validate_kernel|ring_copy_kernel)(I(f|N3c108BFloat16E|N3c104HalfE)(Li(\d+)E)?)?",
+                  r"rollback_kernel|select_plan_kernel|select_move_kernel|ring_validate_kernel|ring_copy_kernel|ring_quant_kernel)(I(f|N3c108BFloat16E|N3c104HalfE)(Li(\d+)E)?)?",
                   name)
     if not m:
         return name[:60]
@@ -143,7 +143,8 @@ check_lib() {
   local syms
   syms=$(nm -C "$lib")
   for k in validate_starts_kernel update_copy_kernel attend_kernel attend_combine_kernel \
-           rollback_kernel select_plan_kernel select_move_kernel ring_validate_kernel ring_copy_kernel; do
+           rollback_kernel select_plan_kernel select_move_kernel ring_validate_kernel ring_copy_kernel \
+           ring_quant_kernel; do
     grep -q "$k" <<<"$syms" || missing="$missing $k"
   done
   [ -z "$missing" ] || { echo "missing CUDA kernels in $lib:$missing" >&2; exit 1; }

@@ -1,10 +1,10 @@
 // CPU work of update_quantized_, update_quantized_.Tensor and
 // append_quantized_ (see csrc/ops/update.h; formats in csrc/core/quant.h).
 //
-// One pass over (buffer, batch, head) slabs: each slot's head_dim new
-// elements are read once into float32, their absmax gives the slot's scale,
-// and they are written quantized next to it. The same thresholds as the
-// plain write decide when helper threads join (a decode step never does).
+// One pass over (buffer, batch, head) slabs, each quantized by
+// cpu::quantize_slab (quantize_slab.h, shared with the quantized ring
+// write). The same thresholds as the plain write decide when helper threads
+// join (a decode step never does).
 #include <algorithm>
 #include <vector>
 
@@ -14,6 +14,7 @@
 #include "../core/quant.h"
 #include "../ops/update.h"
 #include "helpers.h"
+#include "quantize_slab.h"
 
 namespace kvcache {
 namespace {
@@ -24,38 +25,6 @@ using detail::QuantUpdateParams;
 
 constexpr int64_t kParallelBytes = int64_t{8} << 20;  // as csrc/cpu/update.cpp
 constexpr int64_t kGrainBytes = int64_t{256} << 10;
-
-template <typename T>
-float load_elem(const char* p) {
-  return static_cast<float>(*reinterpret_cast<const T*>(p));
-}
-
-// Quantizes one slab: `chunk` slots of head_dim elements at src (byte
-// strides) into dst (byte strides) and their scales (element stride).
-template <typename T, KvFormat F>
-void quantize_slab(const char* src, int64_t src_row, int64_t src_elem,
-                   char* dst, int64_t dst_row, int64_t dst_elem, float* scale,
-                   int64_t scale_stride, int64_t chunk, int64_t dim,
-                   float* row) {
-  for (int64_t t = 0; t < chunk; ++t) {
-    const char* s = src + t * src_row;
-    float m = 0.f;
-    for (int64_t d = 0; d < dim; ++d) {
-      row[d] = load_elem<T>(s + d * src_elem);
-      m = detail::absmax_step(m, row[d]);
-    }
-    const float sc = detail::slot_scale(m, F);
-    char* o = dst + t * dst_row;
-    for (int64_t d = 0; d < dim; ++d) {
-      const float y = detail::scaled_clamped(row[d], sc, F);
-      const uint8_t bits = F == KvFormat::kInt8
-                               ? static_cast<uint8_t>(detail::to_int8(y))
-                               : detail::to_e4m3_bits(y);
-      *reinterpret_cast<uint8_t*>(o + d * dst_elem) = bits;
-    }
-    scale[t * scale_stride] = sc;
-  }
-}
 
 template <typename T, KvFormat F>
 void quant_update_typed(const QuantUpdateParams& q) {
@@ -77,7 +46,7 @@ void quant_update_typed(const QuantUpdateParams& q) {
         const auto& d = p.dst[which];
         const auto& s = p.src[which];
         const int64_t* ss = q.scale_stride[which];
-        quantize_slab<T, F>(
+        cpu::quantize_slab<T, F>(
             s.data + b * s.stride[0] + h * s.stride[1], s.stride[2], s.stride[3],
             d.data + b * d.stride[0] + h * d.stride[1] + start * d.stride[2],
             d.stride[2], d.stride[3],

@@ -10,13 +10,22 @@
 // positions of their tokens. A row whose returned length is out of range
 // (-1) writes nothing: one bad row stops every write, with no host sync
 // (CUDA-graph safe).
+//
+// ring_update_quantized_: the same validation pass, then one kernel: one
+// warp per (buffer, batch row, head, token) quantizes the token straight
+// into its slot and writes its scale (cuda::quantize_slot, the quantizer of
+// update_quantized_); tokens the ring does not keep are skipped, and the
+// warps of buffer 0, head 0 write the positions.
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
 
 #include "../core/visibility.h"
 #include "../ops/ring.h"
 #include "launch.cuh"
+#include "quant.cuh"
 
 namespace kvcache {
 namespace {
@@ -138,7 +147,130 @@ void ring_update_cuda(const RingUpdateParams& p) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+constexpr int kQuantWarps = 8;  // tokens per block (one warp each)
+
+struct RingQuantArgs {
+  const char* src[2];
+  int64_t src_stride[2][4];  // bytes
+  char* dst[2];
+  int64_t dst_stride[2][4];  // bytes
+  float* scale[2];
+  int64_t scale_stride[2][3];  // elements
+  int32_t* positions;
+  int64_t pos_stride[2];
+  unsigned slabs;  // batch * heads
+  unsigned heads;
+  int64_t chunk, head_dim, capacity, sinks;
+  IntRows lengths_out;
+};
+
+template <typename T, detail::KvFormat F>
+__global__ void ring_quant_kernel(const RingQuantArgs a) {
+  const unsigned slab = blockIdx.x;
+  const unsigned which = slab >= a.slabs ? 1u : 0u;
+  const unsigned bh = slab - which * a.slabs;
+  const unsigned b = bh / a.heads;
+  const unsigned h = bh - b * a.heads;
+  const int64_t end = detail::read_row(a.lengths_out, b);
+  if (end < a.chunk || end > INT32_MAX) return;  // -1: a bad start somewhere
+  const int64_t start = end - a.chunk;
+  // Select by value: indexing the parameter arrays with a runtime index
+  // would copy the whole parameter block to local memory.
+  const char* src = which ? a.src[1] : a.src[0];
+  char* dst = which ? a.dst[1] : a.dst[0];
+  float* scale = which ? a.scale[1] : a.scale[0];
+  int64_t ss[4], ds[4], cs[3];
+  for (int k = 0; k < 4; ++k) {
+    ss[k] = which ? a.src_stride[1][k] : a.src_stride[0][k];
+    ds[k] = which ? a.dst_stride[1][k] : a.dst_stride[0][k];
+  }
+  for (int k = 0; k < 3; ++k) cs[k] = which ? a.scale_stride[1][k] : a.scale_stride[0][k];
+  src += b * ss[0] + h * ss[1];
+  dst += b * ds[0] + h * ds[1];
+  scale += b * cs[0] + h * cs[1];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  for (int64_t t = static_cast<int64_t>(blockIdx.y) * kQuantWarps + warp;
+       t < a.chunk; t += static_cast<int64_t>(gridDim.y) * kQuantWarps) {
+    const int64_t p = start + t;
+    if (!detail::ring_keeps(p, end, a.sinks, a.capacity)) continue;  // warp-uniform
+    const int64_t slot = detail::ring_slot(p, a.sinks, a.capacity);
+    if (a.head_dim > 0) {  // warp-uniform: no scale for an empty slot (as CPU)
+      cuda::quantize_slot<T, F>(src + t * ss[2], ss[3], dst + slot * ds[2], ds[3],
+                                scale + slot * cs[2], a.head_dim, lane);
+    }
+    if (which == 0 && h == 0 && lane == 0) {
+      a.positions[b * a.pos_stride[0] + slot * a.pos_stride[1]] = static_cast<int32_t>(p);
+    }
+  }
+}
+
+template <typename T, detail::KvFormat F>
+void launch_ring_quant(const RingQuantArgs& a, dim3 grid, cudaStream_t stream) {
+  ring_quant_kernel<T, F><<<grid, kQuantWarps * 32, 0, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <detail::KvFormat F>
+void launch_ring_quant_format(const detail::RingQuantUpdateParams& q,
+                              const RingQuantArgs& a, dim3 grid,
+                              cudaStream_t stream) {
+  switch (q.src_dtype) {
+    case detail::FloatDtype::kFloat32: return launch_ring_quant<float, F>(a, grid, stream);
+    case detail::FloatDtype::kBFloat16: return launch_ring_quant<c10::BFloat16, F>(a, grid, stream);
+    case detail::FloatDtype::kFloat16: return launch_ring_quant<c10::Half, F>(a, grid, stream);
+  }
+}
+
+void ring_update_quantized_cuda(const detail::RingQuantUpdateParams& q) {
+  const RingUpdateParams& p = q.ring;
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(p.device_index));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t n = p.lengths_out.numel;
+  const int64_t slabs = p.batch * p.heads;
+  cuda::check_copy_slabs(slabs);  // before any launch: nothing written
+  if (n > 0) {
+    ring_validate_kernel<<<1, cuda::check_threads(n), 0, stream>>>(
+        p.starts, p.lengths_out, n, p.chunk);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  // No slab or no token: nothing to write but the lengths. head_dim == 0:
+  // positions only, no scale (as update_quantized_ writes none); the warps
+  // still run for the positions.
+  if (slabs == 0 || p.chunk == 0) return;
+  RingQuantArgs a{};
+  for (int w = 0; w < 2; ++w) {
+    a.src[w] = p.src[w].data;
+    a.dst[w] = p.dst[w].data;
+    a.scale[w] = q.scale[w];
+    for (int k = 0; k < 4; ++k) {
+      a.src_stride[w][k] = p.src[w].stride[k];
+      a.dst_stride[w][k] = p.dst[w].stride[k];
+    }
+    for (int k = 0; k < 3; ++k) a.scale_stride[w][k] = q.scale_stride[w][k];
+  }
+  a.positions = p.positions;
+  a.pos_stride[0] = p.pos_stride[0];
+  a.pos_stride[1] = p.pos_stride[1];
+  a.slabs = static_cast<unsigned>(slabs);
+  a.heads = static_cast<unsigned>(p.heads);
+  a.chunk = p.chunk;
+  a.head_dim = p.head_dim;
+  a.capacity = p.capacity;
+  a.sinks = p.sinks;
+  a.lengths_out = p.lengths_out;
+  const int64_t tiles = (p.chunk + kQuantWarps - 1) / kQuantWarps;
+  const dim3 grid(static_cast<unsigned>(2 * slabs),
+                  static_cast<unsigned>(tiles < 65535 ? tiles : 65535));
+  if (q.format == detail::KvFormat::kInt8) {
+    launch_ring_quant_format<detail::KvFormat::kInt8>(q, a, grid, stream);
+  } else {
+    launch_ring_quant_format<detail::KvFormat::kFp8>(q, a, grid, stream);
+  }
+}
+
 }  // namespace
 }  // namespace kvcache
 
 KVCACHE_REGISTER_KERNEL(ring_update_stub, cuda, &kvcache::ring_update_cuda);
+KVCACHE_REGISTER_KERNEL(ring_update_quantized_stub, cuda,
+                        &kvcache::ring_update_quantized_cuda);

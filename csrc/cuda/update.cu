@@ -34,6 +34,7 @@
 #include "../ops/update.h"
 #include "copy.cuh"
 #include "launch.cuh"
+#include "quant.cuh"
 
 namespace kvcache {
 namespace {
@@ -162,9 +163,8 @@ void update_cuda(const UpdateParams& p) {
 //
 // Same positions and failure rule as above (validate_starts_kernel for
 // device starts, then one write kernel that reads its row's checked end).
-// The write: one warp per (buffer, batch, head, slot): lanes read the
-// slot's head_dim elements, a shuffle reduction gives the absmax, then each
-// lane writes its quantized elements and lane 0 the scale (core/quant.h).
+// The write: one warp per (buffer, batch, head, slot), quantized by
+// cuda::quantize_slot (quant.cuh, shared with the quantized ring write).
 constexpr int kQuantWarps = 8;
 
 struct QuantArgs {
@@ -215,24 +215,8 @@ __global__ void quant_update_kernel(const QuantArgs a) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   for (int64_t t = static_cast<int64_t>(blockIdx.y) * kQuantWarps + warp;
        t < a.chunk; t += static_cast<int64_t>(gridDim.y) * kQuantWarps) {
-    const char* row = src + t * ss[2];
-    float m = 0.f;
-    for (int64_t d = lane; d < a.head_dim; d += 32) {
-      m = detail::absmax_step(m, static_cast<float>(*reinterpret_cast<const T*>(row + d * ss[3])));
-    }
-    for (int off = 16; off > 0; off /= 2) {
-      m = detail::absmax_step(m, __shfl_xor_sync(0xffffffffu, m, off));
-    }
-    const float sc = detail::slot_scale(m, F);
-    char* out = dst + t * ds[2];
-    for (int64_t d = lane; d < a.head_dim; d += 32) {
-      const float y = detail::scaled_clamped(
-          static_cast<float>(*reinterpret_cast<const T*>(row + d * ss[3])), sc, F);
-      *reinterpret_cast<uint8_t*>(out + d * ds[3]) =
-          F == detail::KvFormat::kInt8 ? static_cast<uint8_t>(detail::to_int8(y))
-                                       : detail::to_e4m3_bits(y);
-    }
-    if (lane == 0) scale[t * cs[2]] = sc;
+    cuda::quantize_slot<T, F>(src + t * ss[2], ss[3], dst + t * ds[2], ds[3],
+                              scale + t * cs[2], a.head_dim, lane);
   }
 }
 

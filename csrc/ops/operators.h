@@ -80,6 +80,13 @@
 //       (the sinks and the last capacity - sinks positions). start: int32/
 //       int64, 0-D or (batch,), read on the device. Returns start + chunk
 //       (int32); on CUDA a bad start writes nothing and returns -1.
+//   ring_update_quantized_  ring_update_ for a quantized ring (int8 or
+//       float8_e4m3fn keys / values, float32 k_scale / v_scale (batch,
+//       num_kv_heads, capacity)): keys_new / values_new (float32, bfloat16
+//       or float16) are quantized per (row, KV head, position) as
+//       update_quantized_ does and written with their scales at the slots
+//       ring_update_ picks, positions recorded, in one pass (one CUDA launch
+//       after the start check); same starts, checks and results.
 //
 // Adding an operator: a line here; csrc/ops/<op>.{h,cpp} (its checks with
 // trace_check_<id>, and the entry point); csrc/cpu/<op>.cpp and
@@ -134,6 +141,12 @@
     "check_lengths_writable(Tensor lengths) -> ()")                          \
   X(ring_update_, "ring_update_", Write, ring_update_stub,                    \
     "ring_update_(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) positions, " \
+    "Tensor keys_new, Tensor values_new, Tensor start, *, int sinks=0) "      \
+    "-> Tensor")                                                              \
+  X(ring_update_quantized_, "ring_update_quantized_", Write,                  \
+    ring_update_quantized_stub,                                               \
+    "ring_update_quantized_(Tensor(a!) keys, Tensor(b!) values, "             \
+    "Tensor(c!) k_scale, Tensor(d!) v_scale, Tensor(e!) positions, "          \
     "Tensor keys_new, Tensor values_new, Tensor start, *, int sinks=0) "      \
     "-> Tensor")
 

@@ -14,6 +14,7 @@ namespace kvcache {
 namespace detail {
 
 DeviceStub<RingUpdateFn> ring_update_stub;
+DeviceStub<RingQuantUpdateFn> ring_update_quantized_stub;
 
 void check_positions(const at::Tensor& positions, const c10::SymInt& batch,
                      const c10::SymInt& capacity, const at::Device& device) {
@@ -30,17 +31,29 @@ void check_positions(const at::Tensor& positions, const c10::SymInt& batch,
   check_device(positions, device, "positions", "the cache's device");
 }
 
-std::vector<int64_t> check_ring_update(const at::Tensor& keys,
-                                       const at::Tensor& values,
-                                       const at::Tensor& positions,
-                                       const at::Tensor& keys_new,
-                                       const at::Tensor& values_new,
-                                       const at::Tensor& start, int64_t sinks,
-                                       bool values_known) {
+namespace {
+
+// The scales of a quantized ring write (both null: a plain one).
+struct RingScales {
+  const at::Tensor* k = nullptr;
+  const at::Tensor* v = nullptr;
+};
+
+std::vector<int64_t> check_ring_update_impl(
+    const at::Tensor& keys, const at::Tensor& values,
+    const at::Tensor& positions, const at::Tensor& keys_new,
+    const at::Tensor& values_new, const at::Tensor& start, int64_t sinks,
+    bool values_known, const RingScales& sc) {
   // Shapes, dtypes, devices, the start's metadata and the aliasing rules of
-  // update_.Tensor (new data may not view the cache at all); not its values,
-  // whose bound differs (a ring has no end).
-  check_update_tensor(keys, values, keys_new, values_new, start, false);
+  // update_.Tensor / update_quantized_.Tensor (new data may not view the
+  // cache at all; the scales' shapes, dtype and aliasing); not the start's
+  // values, whose bound differs (a ring has no end).
+  if (sc.k == nullptr) {
+    check_update_tensor(keys, values, keys_new, values_new, start, false);
+  } else {
+    check_update_quantized_tensor(keys, values, *sc.k, *sc.v, keys_new,
+                                  values_new, start, false);
+  }
   const c10::SymInt capacity = keys.sym_size(2);
   check_positions(positions, keys.sym_size(0), capacity, keys.device());
   check_writable(positions, "positions");
@@ -56,6 +69,10 @@ std::vector<int64_t> check_ring_update(const at::Tensor& keys,
         {start, "start"}}) {
     TORCH_CHECK_VALUE(!overlaps(pb, box_of(t)),
                       "positions must not share memory with ", name);
+  }
+  if (sc.k != nullptr) {
+    TORCH_CHECK_VALUE(!overlaps(pb, box_of(*sc.k)) && !overlaps(pb, box_of(*sc.v)),
+                      "positions must not share memory with k_scale or v_scale");
   }
   TORCH_CHECK_VALUE(sinks >= 0, "sinks must be >= 0, got ", sinks);
   TORCH_CHECK_VALUE(holds(capacity.sym_gt(sinks)),
@@ -81,17 +98,43 @@ std::vector<int64_t> check_ring_update(const at::Tensor& keys,
   return starts;
 }
 
+}  // namespace
+
+std::vector<int64_t> check_ring_update(const at::Tensor& keys,
+                                       const at::Tensor& values,
+                                       const at::Tensor& positions,
+                                       const at::Tensor& keys_new,
+                                       const at::Tensor& values_new,
+                                       const at::Tensor& start, int64_t sinks,
+                                       bool values_known) {
+  return check_ring_update_impl(keys, values, positions, keys_new, values_new,
+                                start, sinks, values_known, RingScales{});
+}
+
+std::vector<int64_t> check_ring_update_quantized(
+    const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k_scale,
+    const at::Tensor& v_scale, const at::Tensor& positions,
+    const at::Tensor& keys_new, const at::Tensor& values_new,
+    const at::Tensor& start, int64_t sinks, bool values_known) {
+  return check_ring_update_impl(keys, values, positions, keys_new, values_new,
+                                start, sinks, values_known,
+                                RingScales{&k_scale, &v_scale});
+}
+
 }  // namespace detail
 
 namespace ops {
 
-at::Tensor ring_update_(at::Tensor& keys, at::Tensor& values,
-                        at::Tensor& positions, const at::Tensor& keys_new,
-                        const at::Tensor& values_new, const at::Tensor& start,
-                        int64_t sinks) {
-  const auto starts = detail::check_ring_update(
-      keys, values, positions, keys_new, values_new, start, sinks, true);
-  at::Tensor length = at::empty(start.sizes(), keys.options().dtype(at::kInt));
+namespace {
+
+// The parameters shared by both ring writes; `length` receives start + chunk.
+detail::RingUpdateParams ring_params(at::Tensor& keys, at::Tensor& values,
+                                     at::Tensor& positions,
+                                     const at::Tensor& keys_new,
+                                     const at::Tensor& values_new,
+                                     const at::Tensor& start, int64_t sinks,
+                                     const std::vector<int64_t>& starts,
+                                     const at::Tensor& length) {
   detail::RingUpdateParams p;
   p.dst[0] = detail::dst_rows(keys);
   p.dst[1] = detail::dst_rows(values);
@@ -111,7 +154,50 @@ at::Tensor ring_update_(at::Tensor& keys, at::Tensor& values,
   p.host_starts = starts.empty() ? nullptr : starts.data();
   p.lengths_out = detail::int_rows(length);
   p.device_index = keys.device().index();
+  return p;
+}
+
+}  // namespace
+
+at::Tensor ring_update_(at::Tensor& keys, at::Tensor& values,
+                        at::Tensor& positions, const at::Tensor& keys_new,
+                        const at::Tensor& values_new, const at::Tensor& start,
+                        int64_t sinks) {
+  const auto starts = detail::check_ring_update(
+      keys, values, positions, keys_new, values_new, start, sinks, true);
+  at::Tensor length = at::empty(start.sizes(), keys.options().dtype(at::kInt));
+  const auto p = ring_params(keys, values, positions, keys_new, values_new,
+                             start, sinks, starts, length);
   detail::ring_update_stub.get(keys.device().type(), "ring_update_")(p);
+  return length;
+}
+
+at::Tensor ring_update_quantized_(at::Tensor& keys, at::Tensor& values,
+                                  at::Tensor& k_scale, at::Tensor& v_scale,
+                                  at::Tensor& positions,
+                                  const at::Tensor& keys_new,
+                                  const at::Tensor& values_new,
+                                  const at::Tensor& start, int64_t sinks) {
+  const auto starts = detail::check_ring_update_quantized(
+      keys, values, k_scale, v_scale, positions, keys_new, values_new, start,
+      sinks, true);
+  at::Tensor length = at::empty(start.sizes(), keys.options().dtype(at::kInt));
+  detail::RingQuantUpdateParams q;
+  q.ring = ring_params(keys, values, positions, keys_new, values_new, start,
+                       sinks, starts, length);
+  q.ring.elem = static_cast<int64_t>(keys_new.element_size());  // source elements
+  q.format = detail::format_of(keys.scalar_type());
+  const auto t = keys_new.scalar_type();
+  q.src_dtype = t == at::kFloat      ? detail::FloatDtype::kFloat32
+                : t == at::kBFloat16 ? detail::FloatDtype::kBFloat16
+                                     : detail::FloatDtype::kFloat16;
+  at::Tensor* sc[2] = {&k_scale, &v_scale};
+  for (int w = 0; w < 2; ++w) {
+    q.scale[w] = sc[w]->mutable_data_ptr<float>();
+    for (int k = 0; k < 3; ++k) q.scale_stride[w][k] = sc[w]->stride(k);
+  }
+  detail::ring_update_quantized_stub.get(keys.device().type(),
+                                         "ring_update_quantized_")(q);
   return length;
 }
 

@@ -10,6 +10,15 @@
 // start check), and returns start + chunk. A chunk longer than the ring
 // writes only what the ring keeps (ring_keeps), so each slot is written at
 // most once. attend reads a ring with its `positions` argument.
+//
+// ring_update_quantized_ is the same write for a quantized ring (int8 /
+// float8_e4m3fn keys and values with float32 scales (batch, heads,
+// capacity), formats in csrc/core/quant.h): each kept position of the
+// float32 / bfloat16 / float16 new data is quantized straight into its slot
+// and its scale next to it, with ring_update_'s positions, slot rule and
+// results and update_quantized_'s checks of the data and scales, in one
+// pass (one CUDA launch after the start check) instead of a staging buffer
+// and two ring copies.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -19,6 +28,8 @@
 
 #include "../core/device_stub.h"
 #include "../core/params.h"
+#include "../core/quant.h"
+#include "update.h"
 #include "kvcache/export.h"
 
 namespace kvcache {
@@ -45,6 +56,22 @@ struct RingUpdateParams {
 using RingUpdateFn = void (*)(const RingUpdateParams&);
 extern DeviceStub<RingUpdateFn> ring_update_stub;
 
+// The quantized ring write: `ring` as for ring_update_, its dst the int8 /
+// fp8 buffers (one byte per element), its src the new data in `src_dtype`
+// (ring.elem: bytes per source element); the scale of each written (row,
+// head, slot) goes to scale[0] (keys) / scale[1] (values), float32 (batch,
+// heads, capacity) with element strides.
+struct RingQuantUpdateParams {
+  RingUpdateParams ring;
+  KvFormat format = KvFormat::kInt8;
+  FloatDtype src_dtype = FloatDtype::kFloat32;
+  float* scale[2] = {nullptr, nullptr};
+  int64_t scale_stride[2][3] = {};
+};
+
+using RingQuantUpdateFn = void (*)(const RingQuantUpdateParams&);
+extern DeviceStub<RingQuantUpdateFn> ring_update_quantized_stub;
+
 // A ring's positions tensor: int32, (batch, capacity), on `device`.
 KVCACHE_API void check_positions(const at::Tensor& positions,
                                  const c10::SymInt& batch,
@@ -70,6 +97,24 @@ inline void trace_check_ring_update_(const at::Tensor& keys,
                     sinks, false);
 }
 
+// ring_update_quantized_'s checks: update_quantized_.Tensor's checks of the
+// cache, new data, scales and start metadata, then ring_update_'s of the
+// positions, sinks and (values_known, CPU) start values.
+KVCACHE_API std::vector<int64_t> check_ring_update_quantized(
+    const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k_scale,
+    const at::Tensor& v_scale, const at::Tensor& positions,
+    const at::Tensor& keys_new, const at::Tensor& values_new,
+    const at::Tensor& start, int64_t sinks, bool values_known);
+
+inline void trace_check_ring_update_quantized_(
+    const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k_scale,
+    const at::Tensor& v_scale, const at::Tensor& positions,
+    const at::Tensor& keys_new, const at::Tensor& values_new,
+    const at::Tensor& start, int64_t sinks) {
+  check_ring_update_quantized(keys, values, k_scale, v_scale, positions,
+                              keys_new, values_new, start, sinks, false);
+}
+
 }  // namespace detail
 
 namespace ops {
@@ -78,6 +123,13 @@ at::Tensor ring_update_(at::Tensor& keys, at::Tensor& values,
                         at::Tensor& positions, const at::Tensor& keys_new,
                         const at::Tensor& values_new, const at::Tensor& start,
                         int64_t sinks);
+
+at::Tensor ring_update_quantized_(at::Tensor& keys, at::Tensor& values,
+                                  at::Tensor& k_scale, at::Tensor& v_scale,
+                                  at::Tensor& positions,
+                                  const at::Tensor& keys_new,
+                                  const at::Tensor& values_new,
+                                  const at::Tensor& start, int64_t sinks);
 
 }  // namespace ops
 }  // namespace kvcache

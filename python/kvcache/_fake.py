@@ -85,6 +85,8 @@ _OUTPUTS = {
     "reset_rows": _new_lengths,
     "check_lengths_writable": _none,
     "ring_update_": _ring_update,
+    "ring_update_quantized_": lambda keys, values, k_scale, v_scale, positions, keys_new, values_new, start, *,
+    sinks=0: keys.new_empty(start.shape, dtype=torch.int32),
 }
 
 

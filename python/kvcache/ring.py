@@ -5,7 +5,9 @@ sliding-window layer in ``sinks + window + max_step - 1`` slots instead of
 ``max_len``: position ``p`` lives at slot ``p`` if ``p < sinks``, else at
 ``sinks + (p - sinks) % (capacity - sinks)``, and each slot records the
 logical position it holds (``positions``, ``-1``: empty), written by the same
-operator call as the keys and values (``torch.ops.kvcache.ring_update_``).
+operator call as the keys and values (``torch.ops.kvcache.ring_update_``;
+a quantized ring's data, scales and positions by one
+``torch.ops.kvcache.ring_update_quantized_``).
 ``length`` is the logical length (the next position), so rollback stays
 length arithmetic, and the graph of a decode step is the same before and
 after the ring wraps.
@@ -41,6 +43,7 @@ _attend_op = torch.ops.kvcache.attend.default
 _rollback_op = torch.ops.kvcache.rollback.default
 _select_rows_op = torch.ops.kvcache.select_rows_.default
 _update_q_op = torch.ops.kvcache.update_quantized_.default
+_ring_update_q_op = torch.ops.kvcache.ring_update_quantized_.default
 
 #: Default ``max_step`` (R): the most tokens one write may add and still be
 #: attended inside the ring, and the furthest rollback. 64 covers speculative
@@ -203,11 +206,12 @@ def init_ring_layer_cache(
 
 
 def _quantize_chunk(cache: RingLayerCache, keys_new, values_new):
-    # A quantized ring's write: the chunk is quantized into a chunk-sized
-    # staging cache by update_quantized_ (the formats' one implementation,
-    # with its checks of the new data), then the quantized data and its
-    # scales are placed in the ring by ring_update_ (the ring's checks and
-    # slot rule). Staging is O(chunk), never O(capacity).
+    # The chunk quantized into a chunk-sized buffer by update_quantized_, for
+    # what a chunk longer than max_step attends over (write_ring_layer_cache):
+    # the ring keeps only its last positions, the chunk's queries see them
+    # all. The same quantizer as ring_update_quantized_'s (per slot,
+    # deterministic), so these are exactly the bytes and scales the ring
+    # stores for the positions it keeps. O(chunk), never O(capacity).
     if not isinstance(keys_new, torch.Tensor) or keys_new.dim() != 4:
         shape = tuple(keys_new.shape) if isinstance(keys_new, torch.Tensor) else type(keys_new).__name__
         raise ValueError(f"keys_new must be (batch, num_kv_heads, chunk, head_dim), got {shape}")
@@ -221,28 +225,25 @@ def _quantize_chunk(cache: RingLayerCache, keys_new, values_new):
     return tk, tv, tks, tvs
 
 
-def _ring_write(cache: RingLayerCache, keys_new, values_new, start_t, staged=None) -> torch.Tensor:
-    # The ring's write of one chunk (quantized: staged by _quantize_chunk);
-    # returns the new length.
+def _ring_write(cache: RingLayerCache, keys_new, values_new, start_t) -> torch.Tensor:
+    # The ring's write of one chunk, one operator call (a quantized ring:
+    # data, scales and positions quantized and placed by one
+    # ring_update_quantized_); returns the new length.
     if cache.k_scale is None:
         return _ring_update_op(
             cache.keys, cache.values, cache.positions, keys_new, values_new, start_t, sinks=cache.sinks
         )
-    tk, tv, tks, tvs = staged if staged is not None else _quantize_chunk(cache, keys_new, values_new)
-    length = _ring_update_op(cache.keys, cache.values, cache.positions, tk, tv, start_t, sinks=cache.sinks)
-    # Same start, positions and batch/heads as the call above, which checked
-    # them: this one cannot fail after the data was written. It rewrites the
-    # same positions.
-    _ring_update_op(
-        cache.k_scale.unsqueeze(-1),
-        cache.v_scale.unsqueeze(-1),
+    return _ring_update_q_op(
+        cache.keys,
+        cache.values,
+        cache.k_scale,
+        cache.v_scale,
         cache.positions,
-        tks.unsqueeze(-1),
-        tvs.unsqueeze(-1),
+        keys_new,
+        values_new,
         start_t,
         sinks=cache.sinks,
     )
-    return length
 
 
 def _check_ring(cache) -> None:
@@ -267,15 +268,18 @@ def update_ring_layer_cache(
 ) -> RingLayerCache:
     """Writes new keys/values at the logical positions ``[start, start + chunk)``.
 
-    One operator call writes keys, values and the slots' positions in place;
-    a chunk longer than the ring writes only what the ring keeps (the sinks
-    and the last ``capacity - sinks`` positions). To attend over a chunk
-    longer than ``max_step``, use :func:`write_ring_layer_cache`.
+    One operator call writes keys, values and the slots' positions in place
+    (a quantized ring: quantizes them and writes their scales too, in the same
+    call, ``ring_update_quantized_``); a chunk longer than the ring writes
+    only what the ring keeps (the sinks and the last ``capacity - sinks``
+    positions). To attend over a chunk longer than ``max_step``, use
+    :func:`write_ring_layer_cache`.
 
     Args:
         cache: The ring.
         keys_new: ``(batch, num_kv_heads, chunk, head_dim)``, the cache's
-            dtype and device, any strides.
+            dtype (a quantized ring: float32, bfloat16 or float16) and
+            device, any strides.
         values_new: Same shape as ``keys_new``.
         start: First position: an int, or an int32/int64 tensor on the
             cache's device, 0-D or ``(batch,)`` (ragged rows), read on the
@@ -372,8 +376,16 @@ def write_ring_layer_cache(
         start_t = _start_tensor(cache, start)
     chunk = keys_new.shape[2] if isinstance(keys_new, torch.Tensor) and keys_new.dim() == 4 else 0
     long_chunk = chunk > cache.max_step
-    staged = _quantize_chunk(cache, keys_new, values_new) if cache.k_scale is not None else None
     if long_chunk:
+        # The write's own checks first (an empty write of the same rows,
+        # heads and head_dim: nothing is written), so that new data that does
+        # not fit the ring raises the op's ValueError/TypeError instead of
+        # torch.cat's RuntimeError below.
+        empty_v = values_new[:, :, :0] if isinstance(values_new, torch.Tensor) and values_new.dim() == 4 else values_new
+        _ring_write(cache, keys_new[:, :, :0], empty_v, start_t)
+        # A quantized ring's chunk, quantized for the view (the ring keeps
+        # only part of it); raises for bad new data before anything is written.
+        staged = _quantize_chunk(cache, keys_new, values_new) if cache.k_scale is not None else None
         batch = cache.positions.shape[0]
         s = start_t.to(torch.int32)
         s = s.view(-1, 1) if s.dim() == 1 else s
@@ -389,7 +401,7 @@ def write_ring_layer_cache(
             view_v = torch.cat([cache.values, staged[1]], dim=2)
             view_ks = torch.cat([cache.k_scale, staged[2]], dim=2)
             view_vs = torch.cat([cache.v_scale, staged[3]], dim=2)
-    length = _ring_write(cache, keys_new, values_new, start_t, staged)
+    length = _ring_write(cache, keys_new, values_new, start_t)
     if start is None:
         _check_length_writable(cache.length)
         cache.length.copy_(length)

@@ -402,3 +402,57 @@ TEST_CASE("a quantized ring through the C++ API matches a quantized linear cache
   }
   REQUIRE_THROWS_AS(kvcache::init_quantized_ring_layer_cache(1, 1, D, 4, at::kFloat), c10::TypeError);
 }
+
+TEST_CASE("ring_update_quantized_ through the C++ API: each kept position's quantization at its slot",
+          "[api][ring][quant]") {
+  // Reference: the chunk quantized by update_quantized_ into a linear buffer (the formats' own
+  // tests check that bit for bit), then placed by plain slicing at the slots the ring keeps.
+  const int64_t cap = 7, sinks = 2, h = 2, d = 8;
+  for (auto kv : {at::kChar, at::kFloat8_e4m3fn}) {
+    for (int64_t chunk : {int64_t{1}, int64_t{4}, int64_t{16}}) {
+      at::Tensor keys = at::zeros({2, h, cap, d}, at::TensorOptions().dtype(kv));
+      at::Tensor values = at::zeros({2, h, cap, d}, at::TensorOptions().dtype(kv));
+      at::Tensor ks = at::rand({2, h, cap}) + 1, vs = at::rand({2, h, cap}) + 1;
+      at::Tensor pos = at::full({2, cap}, -1, at::TensorOptions().dtype(at::kInt));
+      at::Tensor kn = at::randn({2, h, chunk, d}), vn = at::randn({2, h, chunk, d});
+      at::Tensor start = at::tensor({int64_t{3}, int64_t{11}});
+      at::Tensor qk = at::empty({2, h, chunk, d}, keys.options()), qv = at::empty_like(qk);
+      at::Tensor sk = at::empty({2, h, chunk}), sv = at::empty_like(sk);
+      kvcache::update_quantized_(qk, qv, sk, sv, kn, vn, int64_t{0});
+      auto wk = keys.clone(), wv = values.clone(), wks = ks.clone(), wvs = vs.clone(), wp = pos.clone();
+      for (int64_t b = 0; b < 2; ++b) {
+        const int64_t s = start[b].item<int64_t>(), end = s + chunk;
+        for (int64_t t = 0; t < chunk; ++t) {
+          const int64_t p = s + t;
+          if (!(p < sinks || p >= end - (cap - sinks))) continue;
+          const int64_t slot = p < sinks ? p : sinks + (p - sinks) % (cap - sinks);
+          wk[b].select(1, slot).copy_(qk[b].select(1, t));
+          wv[b].select(1, slot).copy_(qv[b].select(1, t));
+          wks[b].select(1, slot).copy_(sk[b].select(1, t));
+          wvs[b].select(1, slot).copy_(sv[b].select(1, t));
+          wp[b][slot] = p;
+        }
+      }
+      at::Tensor len = kvcache::ring_update_quantized_(keys, values, ks, vs, pos, kn, vn, start, sinks);
+      REQUIRE(len.scalar_type() == at::kInt);
+      REQUIRE(len.equal((start + chunk).to(at::kInt)));
+      REQUIRE(same_bytes(keys, wk));
+      REQUIRE(same_bytes(values, wv));
+      REQUIRE(same_bytes(ks, wks));
+      REQUIRE(same_bytes(vs, wvs));
+      REQUIRE(same_bytes(pos, wp));
+      // A bad start (or a bad scale) throws before anything is written.
+      const auto before = std::vector<at::Tensor>{keys.clone(), values.clone(), ks.clone(), vs.clone(), pos.clone()};
+      REQUIRE_THROWS_AS(kvcache::ring_update_quantized_(keys, values, ks, vs, pos, kn, vn,
+                                                        at::tensor({int64_t{0}, int64_t{-1}}), sinks),
+                        c10::ValueError);
+      at::Tensor bad_scale = at::ones({2, h, cap}, at::kDouble);
+      REQUIRE_THROWS_AS(kvcache::ring_update_quantized_(keys, values, bad_scale, vs, pos, kn, vn, start, sinks),
+                        c10::TypeError);
+      REQUIRE_THROWS_AS(kvcache::ring_update_quantized_(keys, values, ks, ks, pos, kn, vn, start, sinks),
+                        c10::ValueError);
+      const std::vector<at::Tensor> now{keys, values, ks, vs, pos};
+      for (size_t i = 0; i < now.size(); ++i) REQUIRE(same_bytes(now[i], before[i]));
+    }
+  }
+}

@@ -41,6 +41,13 @@ TEST_CASE("schemas are registered with mutation annotations", "[dispatcher]") {
   REQUIRE(schema_of("kvcache::ring_update_") ==
           "kvcache::ring_update_(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) positions, "
           "Tensor keys_new, Tensor values_new, Tensor start, *, int sinks=0) -> Tensor");
+  REQUIRE(schema_of("kvcache::ring_update_quantized_") ==
+          "kvcache::ring_update_quantized_(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) k_scale, "
+          "Tensor(d!) v_scale, Tensor(e!) positions, Tensor keys_new, Tensor values_new, Tensor start, *, "
+          "int sinks=0) -> Tensor");
+  REQUIRE(schema_of("kvcache::update_quantized_", "Tensor") ==
+          "kvcache::update_quantized_.Tensor(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) k_scale, "
+          "Tensor(d!) v_scale, Tensor keys_new, Tensor values_new, Tensor start) -> Tensor");
   REQUIRE(schema_of("kvcache::update_quantized_") ==
           "kvcache::update_quantized_(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) k_scale, "
           "Tensor(d!) v_scale, Tensor keys_new, Tensor values_new, SymInt start) -> Tensor");

@@ -267,6 +267,32 @@ def new_aliases_scale():
     return (*qcache(), ks, vs, kn, torch.randn(B, H, 1, D))
 
 
+# ring_update_quantized_: (keys, values, k_scale, v_scale, positions, keys_new, values_new, start).
+def qring(k, v, ks, vs, pos, kn, vn, s):
+    return ops.ring_update_quantized_(k, v, ks, vs, pos, kn, vn, s)
+
+
+def qring_sinks(sinks):
+    return lambda k, v, ks, vs, pos, kn, vn, s: ops.ring_update_quantized_(k, v, ks, vs, pos, kn, vn, s, sinks=sinks)
+
+
+def qring_args(dtype=torch.int8, chunk=1, start=0, pos=None, sc=None, nd=torch.float32):
+    k, v = qcache(dtype)
+    ks, vs = sc if sc is not None else scales()
+    return (k, v, ks, vs, ring_pos() if pos is None else pos, *new(chunk, dtype=nd),
+            start if isinstance(start, torch.Tensor) else torch.tensor(start))
+
+
+def qring_pos_in_scale():
+    ks, vs = scales()
+    return (*qcache(), ks, vs, ks[:, 0, :].view(torch.int32).reshape(B, T), *new(1), torch.tensor(0))
+
+
+def qring_start_in_scale():
+    ks, vs = scales()
+    return (*qcache(), ks, vs, ring_pos(), *new(1), vs[0, 0, :2].view(torch.int32))
+
+
 def lengths_in_scale():
     ks, vs = scales()
     return (*qcache(), ks, vs, ks[:, 0, 0].view(torch.int32), *new(1))
@@ -466,6 +492,28 @@ CASES = [
          runtime=True),
     Case("ring_update_/start-int32-overflow", ring,
          lambda: (*cache(), ring_pos(), *new(2), torch.tensor(2**31 - 2)), runtime=True),
+    # --- ring_update_quantized_ ---
+    Case("ring_update_quantized_/keys-float-cache", qring,
+         lambda: (*cache(), *scales(), ring_pos(), *new(1), torch.tensor(0))),
+    Case("ring_update_quantized_/keys_new-int", qring, lambda: qring_args(nd=torch.int32)),
+    Case("ring_update_quantized_/values_new-dtype", qring,
+         lambda: (*qring_args()[:6], new(1)[1].half(), torch.tensor(0))),
+    Case("ring_update_quantized_/k_scale-shape", qring,
+         lambda: qring_args(sc=(torch.ones(B, H, T + 1), torch.ones(B, H, T)))),
+    Case("ring_update_quantized_/v_scale-dtype", qring,
+         lambda: qring_args(sc=(torch.ones(B, H, T), torch.ones(B, H, T).half()))),
+    Case("ring_update_quantized_/scales-share", qring, lambda: qring_args(sc=(lambda s: (s, s))(torch.ones(B, H, T)))),
+    Case("ring_update_quantized_/positions-int64", qring, lambda: qring_args(pos=ring_pos(dtype=torch.int64))),
+    Case("ring_update_quantized_/positions-shape", qring, lambda: qring_args(pos=ring_pos((B, T + 1)))),
+    Case("ring_update_quantized_/positions-in-k_scale", qring, qring_pos_in_scale),
+    Case("ring_update_quantized_/start-in-v_scale", qring, qring_start_in_scale),
+    Case("ring_update_quantized_/start-float", qring, lambda: qring_args(start=torch.tensor(0.0))),
+    Case("ring_update_quantized_/sinks-negative", qring_sinks(-1), lambda: qring_args()),
+    Case("ring_update_quantized_/sinks-capacity", qring_sinks(T), lambda: qring_args(torch.float8_e4m3fn)),
+    Case("ring_update_quantized_/start-negative", qring, lambda: qring_args(start=torch.tensor([0, -1])),
+         runtime=True),
+    Case("ring_update_quantized_/start-int32-overflow", qring, lambda: qring_args(chunk=2, start=2**31 - 2),
+         runtime=True),
     # --- attend over a ring ---
     Case("attend/positions-shape", att_ring, lambda: (q_(), *cache(), torch.tensor(3), ring_pos((B, T - 1)))),
     Case("attend/positions-int64", att_ring, lambda: (q_(), *cache(), torch.tensor(3), ring_pos(dtype=torch.int64))),
@@ -550,7 +598,8 @@ def test_traced_error_is_eager_error(case, mode):
 def test_table_covers_every_operator():
     names = {c.id.split("/")[0] for c in CASES}
     assert names == {"update_", "update_.Tensor", "append_", "append_returning_", "attend", "rollback_",
-                     "select_rows_", "reset_rows", "init_layer_cache", "ring_update_", "append_kv_layer_cache",
+                     "select_rows_", "reset_rows", "init_layer_cache", "ring_update_", "ring_update_quantized_",
+                     "append_kv_layer_cache",
                      "rollback_kv_layer_cache", "select_rows_kv_layer_cache", "reset_rows_kv_layer_cache",
                      "update_quantized_", "update_quantized_.Tensor", "append_quantized_"}
     assert all(isinstance(run_eager(c), (ValueError, TypeError)) for c in CASES if "requires-grad" not in c.id)

@@ -110,6 +110,19 @@ def _ring_update_samples():
         yield (keys, values, positions, kn, vn, start), {"sinks": 2}
 
 
+def _ring_update_quantized_samples():
+    # A ring of capacity 7 with 2 sinks: host and per-row starts, a wrap, a chunk longer than the ring.
+    for kv_dtype in (torch.int8, torch.float8_e4m3fn):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for start, chunk in ((torch.tensor(3), 3), (torch.tensor([0, 9], dtype=torch.int32), 3),
+                                 (torch.tensor(1, dtype=torch.int64), 11)):
+                k, v, ks, vs = _quant_cache(kv_dtype, max_len=7)
+                positions = torch.full((2, 7), -1, dtype=torch.int32)
+                kn = random_tensor((2, 2, chunk, 8), dtype, seed=5)
+                vn = random_tensor((2, 2, chunk, 8), dtype, seed=6)
+                yield (k, v, ks, vs, positions, kn, vn, start), {"sinks": 2}
+
+
 def _rollback_samples():
     yield (torch.tensor([5, 9], dtype=torch.int32), torch.tensor([2, 0], dtype=torch.int32)), {}
     yield (torch.tensor(6), torch.tensor(1)), {"kv_start": torch.tensor(2)}
@@ -178,6 +191,7 @@ SAMPLES = {
     "append_quantized_": _append_quantized_samples,
     "attend": lambda: [*_attend_samples(), *_ring_attend_samples(), *_attend_quantized_samples()],
     "ring_update_": _ring_update_samples,
+    "ring_update_quantized_": _ring_update_quantized_samples,
     "rollback": _rollback_samples,
     "select_rows_": _select_rows_samples,
     "append_returning_": _append_samples,

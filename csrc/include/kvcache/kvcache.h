@@ -283,6 +283,21 @@ KVCACHE_API at::Tensor ring_update_(at::Tensor& keys, at::Tensor& values,
                                     const at::Tensor& values_new,
                                     const at::Tensor& start, int64_t sinks = 0);
 
+/// kvcache::ring_update_quantized_: ring_update_ for a quantized ring (keys
+/// / values int8 or float8_e4m3fn (batch, num_kv_heads, capacity,
+/// head_dim), k_scale / v_scale float32 (batch, num_kv_heads, capacity)):
+/// keys_new / values_new (float32, bfloat16 or float16, (batch,
+/// num_kv_heads, chunk, head_dim)) are quantized per (row, head, position)
+/// as update_quantized_ does and written with their scales and positions at
+/// the slots ring_update_ picks, in one pass. Returns start + chunk (int32,
+/// start's shape). Throws c10::ValueError / c10::TypeError for bad shapes,
+/// dtypes, devices, aliasing or (CPU) starts, with nothing written; on CUDA
+/// a bad start writes nothing and every returned length is -1.
+KVCACHE_API at::Tensor ring_update_quantized_(
+    at::Tensor& keys, at::Tensor& values, at::Tensor& k_scale,
+    at::Tensor& v_scale, at::Tensor& positions, const at::Tensor& keys_new,
+    const at::Tensor& values_new, const at::Tensor& start, int64_t sinks = 0);
+
 /// Creates an empty ring (zero buffers, positions -1, length 0). Throws
 /// c10::ValueError for window < 1, sinks < 0, max_step < 1 or a capacity of
 /// 2^31 or more.
@@ -301,9 +316,10 @@ KVCACHE_API RingLayerCache init_quantized_ring_layer_cache(
 
 /// Writes a chunk at cache.length (advanced in place) and returns what the
 /// chunk's queries attend over (see RingKV): write-then-attend for any
-/// chunk length, exact. A quantized ring quantizes the chunk into a
-/// chunk-sized staging buffer (update_quantized_) and places data and scales
-/// with ring_update_.
+/// chunk length, exact. A quantized ring's write is one
+/// ring_update_quantized_ (data, scales and positions in one pass); a chunk
+/// longer than max_step is also quantized into a chunk-sized buffer
+/// (update_quantized_) for the returned view.
 KVCACHE_API RingKV write_ring_layer_cache(const RingLayerCache& cache,
                                           const at::Tensor& keys_new,
                                           const at::Tensor& values_new);
