@@ -18,6 +18,8 @@ as examples/hf_generate.py). Tables:
    32k filled slots: int8 (and fp8) against bf16, bf16 queries for all, at 1 and 2 threads
    (bar: int8 <= 0.75x bf16); once reading one cache over and over (it stays in the last-level
    cache) and once as a model's decode step reads them, ``--layers`` (30) distinct caches in turn.
+   At 1 thread also the calling thread's CPU time: the median of 3 rounds, and the best of 15
+   (what the kernel costs when no other work on a shared machine evicts its caches).
 4. SmolLM2 decode ms/token at a 2000-token context, int8 against fp32 (one forward of one token,
    then rollback, so every step sees the same context).
 5. The first 24 greedy tokens after a 300-token prompt, int8 and fp8 against fp32.
@@ -355,6 +357,7 @@ def attend_rows(threads, filled_list, min_time, layers=1):
                 # At 1 thread the work runs on the calling thread: its CPU time
                 # leaves out the time spent waiting for a core on a shared machine.
                 cpu = cpu_times(fns, min_time) if t == 1 else None
+                best = cpu_times(fns, min_time, rounds=15, best=True) if t == 1 else None
             base = res["bf16"]["median_us"]
             for name, r in res.items():
                 ratio = r["median_us"] / base
@@ -366,6 +369,8 @@ def attend_rows(threads, filled_list, min_time, layers=1):
                 if cpu is not None:
                     row["cpu_us"] = f"{cpu[name] / layers:.0f}"
                     row["cpu_vs_bf16"] = f"{cpu[name] / cpu['bf16']:.2f}x"
+                    row["cpu_best_us"] = f"{best[name] / layers:.0f}"
+                    row["cpu_best_vs_bf16"] = f"{best[name] / best['bf16']:.2f}x"
                 if name == "int8":
                     row["meets"] = "yes" if ratio <= 0.75 else "NO"
                 rows.append(row)
@@ -472,7 +477,7 @@ def main(argv=None) -> int:
                         f"{layers} distinct cache(s) (run {r + 1})",
                         attend_rows(args.threads, args.filled, args.min_time, layers),
                         ["filled", "layers", "threads", "cache", "wall_us", "vs_bf16", "cpu_us", "cpu_vs_bf16",
-                         "meets"])
+                         "cpu_best_us", "cpu_best_vs_bf16", "meets"])
     if args.skip_model:
         return 0
 
