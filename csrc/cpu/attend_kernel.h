@@ -445,10 +445,16 @@ inline void scale_columns(float* S, int64_t ra, int64_t rb, int64_t n,
   }
 }
 
+// Whether an int8 cache's in-place blocks take the integer loops
+// (qk_block_i8, pv_block_i8) on this ISA, when Plan::i8dot also holds.
+template <typename TKV>
+constexpr bool kI8Dot = std::is_same_v<TKV, int8_t> && Vec::kI8Dot;
+
 // A task's start, for linear and ring tasks alike: its queries (the G heads
-// of KV head t.kvh at positions [t.i0, t.i1)) scaled into sc.q, and the
-// online-softmax state (output, running max, running sum) reset.
-template <typename T>
+// of KV head t.kvh at positions [t.i0, t.i1)) scaled into sc.q (and rounded
+// into sc.q16 for the integer loops), and the online-softmax state (output,
+// running max, running sum) reset.
+template <typename T, typename TKV>
 inline void start_task(const Plan& plan, const Task& t, Scratch& sc) {
   const AttendParams& p = *plan.p;
   const int64_t G = plan.group, D = plan.dim, Dp = plan.dim_pad;
@@ -462,15 +468,49 @@ inline void start_task(const Plan& plan, const Task& t, Scratch& sc) {
       for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d * p.q_stride[3]]) * plan.qscale;
     }
   }
+  if constexpr (kI8Dot<TKV>) {
+    if (plan.i8dot) round_queries_i16<typename Vec::I8>(plan, rows, sc);
+  }
   std::fill(sc.o.data(), sc.o.data() + rows * Dp, 0.f);
   std::fill(sc.m.data(), sc.m.data() + rows, -std::numeric_limits<float>::infinity());
   std::fill(sc.l.data(), sc.l.data() + rows, 0.f);
 }
 
-// Whether an int8 cache's in-place blocks are scored by qk_block_i8 on this
-// ISA (when Plan::i8dot also holds for the call).
+// S = Q K^T for the task's rows [ra, rb) over n keys read in place
+// (Plan::fast_k): the integer loops where they apply, else the float ones.
 template <typename TKV>
-constexpr bool kI8Dot = std::is_same_v<TKV, int8_t> && Vec::kI8Dot;
+inline void score_in_place(const Plan& plan, Scratch& sc, int64_t ra, int64_t rb, const TKV* k,
+                           int64_t ldk, int64_t n, const Ahead* ahead) {
+  float* const S = sc.s.data() + ra * kBlock;
+  if constexpr (kI8Dot<TKV>) {
+    if (plan.i8dot) {
+      qk_block_i8<typename Vec::I8>(sc.q16.data() + ra * plan.dim, sc.qs.data() + ra, k, ldk,
+                                    plan.dim, rb - ra, n, S, kBlock, ahead);
+      return;
+    }
+  }
+  qk_block(sc.q.data() + ra * plan.dim_pad, plan.dim_pad, k, ldk, plan.dim, rb - ra, n, S, kBlock,
+           ahead);
+}
+
+// O = alpha O + P V for the task's rows [ra, rb) over n values read in place
+// (Plan::fast_v): the integer loops where they apply (and the block's weights
+// are finite), else the float ones.
+template <typename TKV>
+inline void weigh_in_place(const Plan& plan, Scratch& sc, int64_t ra, int64_t rb, const TKV* v,
+                           int64_t ldv, int64_t n) {
+  const float* const P = sc.s.data() + ra * kBlock;
+  float* const O = sc.o.data() + ra * plan.dim_pad;
+  const float* const alpha = sc.alpha.data() + ra;
+  if constexpr (kI8Dot<TKV>) {
+    if (plan.i8dot && pv_block_i8<typename Vec::I8>(P, kBlock, v, ldv, n, O, plan.dim_pad, alpha,
+                                                    rb - ra, plan.dim, sc.wq.data(),
+                                                    sc.ws.data())) {
+      return;
+    }
+  }
+  pv_block(P, kBlock, v, ldv, n, O, plan.dim_pad, alpha, rb - ra, plan.dim);
+}
 
 // T: the queries' and output's dtype; TKV: the cache's (T, or int8_t /
 // Float8_e4m3fn for a quantized cache, whose scales p.k_scale / p.v_scale
@@ -511,10 +551,7 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
     }
   }
 
-  start_task<T>(plan, t, sc);
-  if constexpr (kI8Dot<TKV>) {
-    if (plan.i8dot) round_queries_i16<typename Vec::I8>(plan, rows, sc);
-  }
+  start_task<T, TKV>(plan, t, sc);
 
   const TKV* kbase = static_cast<const TKV*>(p.k) + t.b * p.k_stride[0] + t.kvh * p.k_stride[1];
   const TKV* vbase = static_cast<const TKV*>(p.v) + t.b * p.v_stride[0] + t.kvh * p.v_stride[1];
@@ -558,19 +595,8 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
       ahead.row_bytes = D * int64_t(sizeof(TKV));
       ahead.rows = std::min(kBlock, task_hi - cend);
     }
-    bool scored = false;
-    if constexpr (kI8Dot<TKV>) {
-      if (plan.i8dot) {
-        qk_block_i8<typename Vec::I8>(sc.q16.data() + ra * D, sc.qs.data() + ra,
-                                      kbase + c0 * p.k_stride[2], p.k_stride[2], D, rb - ra, n,
-                                      S + ra * kBlock, kBlock, &ahead);
-        scored = true;
-      }
-    }
-    if (scored) {
-    } else if (plan.fast_k) {
-      qk_block(Q + ra * Dp, Dp, kbase + c0 * p.k_stride[2], p.k_stride[2], D, rb - ra, n,
-               S + ra * kBlock, kBlock, &ahead);
+    if (plan.fast_k) {
+      score_in_place(plan, sc, ra, rb, kbase + c0 * p.k_stride[2], p.k_stride[2], n, &ahead);
     } else {
       pack_rows(kbase + c0 * p.k_stride[2], p.k_stride[2], p.k_stride[3], n, D, Dp, sc.kb.data());
       qk_block(Q + ra * Dp, Dp, static_cast<const float*>(sc.kb.data()), Dp, Dp, rb - ra, n,
@@ -584,18 +610,8 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
       softmax_row(S + r * kBlock, a, e, n8, plan.cap, m[r], l[r], alpha[r]);
     }
     if constexpr (kQuantized) scale_columns(S, ra, rb, n, vscale + c0 * p.vs_stride[2], p.vs_stride[2]);
-    bool mixed = false;
-    if constexpr (kI8Dot<TKV>) {
-      if (plan.i8dot && plan.fast_v) {
-        mixed = pv_block_i8<typename Vec::I8>(S + ra * kBlock, kBlock, vbase + c0 * p.v_stride[2],
-                                              p.v_stride[2], n, O + ra * Dp, Dp, alpha + ra,
-                                              rb - ra, D, sc.wq.data(), sc.ws.data());
-      }
-    }
-    if (mixed) {
-    } else if (plan.fast_v) {
-      pv_block(S + ra * kBlock, kBlock, vbase + c0 * p.v_stride[2], p.v_stride[2], n,
-               O + ra * Dp, Dp, alpha + ra, rb - ra, D);
+    if (plan.fast_v) {
+      weigh_in_place(plan, sc, ra, rb, vbase + c0 * p.v_stride[2], p.v_stride[2], n);
     } else {
       pack_rows(vbase + c0 * p.v_stride[2], p.v_stride[2], p.v_stride[3], n, D, Dp, sc.vb.data());
       pv_block(S + ra * kBlock, kBlock, static_cast<const float*>(sc.vb.data()), Dp, n,
@@ -665,10 +681,7 @@ void run_task_ring(const Plan& plan, const Task& t, Scratch& sc) {
     }
   }
 
-  start_task<T>(plan, t, sc);
-  if constexpr (kI8Dot<TKV>) {
-    if (plan.i8dot) round_queries_i16<typename Vec::I8>(plan, rows, sc);
-  }
+  start_task<T, TKV>(plan, t, sc);
   std::fill(seen, seen + nt, int64_t{0});
 
   const TKV* kbase = static_cast<const TKV*>(p.k) + t.b * p.k_stride[0] + t.kvh * p.k_stride[1];
@@ -694,6 +707,19 @@ void run_task_ring(const Plan& plan, const Task& t, Scratch& sc) {
   auto run_of = [&](int64_t c0, int64_t n) {
     return sc.sel[c0 + n - 1] - sc.sel[c0] == n - 1;
   };
+  // Selected slots [c0, c0 + n) of a cache buffer (keys or values, element
+  // strides `stride`) widened to float32 rows dim_pad apart in dst, each
+  // times its slot's scale for a quantized ring.
+  auto gather = [&](int64_t c0, int64_t n, const TKV* base, const int64_t* stride,
+                    const float* scale, int64_t scale_stride, float* dst) {
+    for (int64_t j = 0; j < n; ++j) {
+      pack_rows(base + sc.sel[c0 + j] * stride[2], 0, stride[3], 1, D, Dp, dst + j * Dp);
+      if constexpr (kQuantized) {
+        const float f = scale[sc.sel[c0 + j] * scale_stride];
+        for (int64_t d = 0; d < D; ++d) dst[j * Dp + d] *= f;
+      }
+    }
+  };
   for (int64_t c0 = 0; c0 < n_sel; c0 += kBlock) {
     const int64_t n = std::min(kBlock, n_sel - c0);
     const int64_t n8 = (n + Vec::kLanes - 1) / Vec::kLanes * Vec::kLanes;
@@ -712,31 +738,14 @@ void run_task_ring(const Plan& plan, const Task& t, Scratch& sc) {
           ahead.rows = n_next;
         }
       }
-      bool scored = false;
-      if constexpr (kI8Dot<TKV>) {
-        if (plan.i8dot) {
-          qk_block_i8<typename Vec::I8>(sc.q16.data(), sc.qs.data(),
-                                        kbase + sc.sel[c0] * p.k_stride[2], p.k_stride[2], D,
-                                        rows, n, S, kBlock, &ahead);
-          scored = true;
-        }
-      }
-      if (!scored) {
-        qk_block(Q, Dp, kbase + sc.sel[c0] * p.k_stride[2], p.k_stride[2], D, rows, n, S, kBlock,
-                 &ahead);
-      }
+      score_in_place(plan, sc, 0, rows, kbase + sc.sel[c0] * p.k_stride[2], p.k_stride[2], n,
+                     &ahead);
       // A quantized run: the key scales on the scores, as in run_task.
       if constexpr (kQuantized) {
         scale_columns(S, 0, rows, n, kscale + sc.sel[c0] * p.ks_stride[2], p.ks_stride[2]);
       }
     } else {
-      for (int64_t j = 0; j < n; ++j) {
-        pack_rows(kbase + sc.sel[c0 + j] * p.k_stride[2], 0, p.k_stride[3], 1, D, Dp, kb + j * Dp);
-        if constexpr (kQuantized) {
-          const float f = kscale[sc.sel[c0 + j] * p.ks_stride[2]];
-          for (int64_t d = 0; d < D; ++d) kb[j * Dp + d] *= f;
-        }
-      }
+      gather(c0, n, kbase, p.k_stride, kscale, p.ks_stride[2], kb);
       qk_block(Q, Dp, static_cast<const float*>(kb), Dp, Dp, rows, n, S, kBlock, nullptr);
     }
     for (int64_t ti = 0; ti < nt; ++ti) {
@@ -759,26 +768,9 @@ void run_task_ring(const Plan& plan, const Task& t, Scratch& sc) {
       if constexpr (kQuantized) {
         scale_columns(S, 0, rows, n, vscale + sc.sel[c0] * p.vs_stride[2], p.vs_stride[2]);
       }
-      bool mixed = false;
-      if constexpr (kI8Dot<TKV>) {
-        if (plan.i8dot) {
-          mixed = pv_block_i8<typename Vec::I8>(S, kBlock, vbase + sc.sel[c0] * p.v_stride[2],
-                                                p.v_stride[2], n, O, Dp, alpha, rows, D,
-                                                sc.wq.data(), sc.ws.data());
-        }
-      }
-      if (!mixed) {
-        pv_block(S, kBlock, vbase + sc.sel[c0] * p.v_stride[2], p.v_stride[2], n, O, Dp, alpha,
-                 rows, D);
-      }
+      weigh_in_place(plan, sc, 0, rows, vbase + sc.sel[c0] * p.v_stride[2], p.v_stride[2], n);
     } else {
-      for (int64_t j = 0; j < n; ++j) {
-        pack_rows(vbase + sc.sel[c0 + j] * p.v_stride[2], 0, p.v_stride[3], 1, D, Dp, vb + j * Dp);
-        if constexpr (kQuantized) {
-          const float f = vscale[sc.sel[c0 + j] * p.vs_stride[2]];
-          for (int64_t d = 0; d < D; ++d) vb[j * Dp + d] *= f;
-        }
-      }
+      gather(c0, n, vbase, p.v_stride, vscale, p.vs_stride[2], vb);
       pv_block(S, kBlock, static_cast<const float*>(vb), Dp, n, O, Dp, alpha, rows, Dp);
     }
   }
