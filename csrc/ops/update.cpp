@@ -449,16 +449,7 @@ detail::QuantUpdateParams make_quant_params(at::Tensor& keys,
   detail::QuantUpdateParams q;
   q.base = make_params(keys, values, keys_new, values_new);
   q.base.elem = static_cast<int64_t>(keys_new.element_size());  // source elements
-  q.format = detail::format_of(keys.scalar_type());
-  const auto t = keys_new.scalar_type();
-  q.src_dtype = t == at::kFloat      ? detail::FloatDtype::kFloat32
-                : t == at::kBFloat16 ? detail::FloatDtype::kBFloat16
-                                     : detail::FloatDtype::kFloat16;
-  at::Tensor* sc[2] = {&k_scale, &v_scale};
-  for (int w = 0; w < 2; ++w) {
-    q.scale[w] = sc[w]->mutable_data_ptr<float>();
-    for (int k = 0; k < 3; ++k) q.scale_stride[w][k] = sc[w]->stride(k);
-  }
+  detail::fill_quant_fields(q, keys, keys_new, k_scale, v_scale);
   return q;
 }
 

@@ -13,6 +13,7 @@
 
 #include <vector>
 
+#include "../core/checks.h"
 #include "../core/device_stub.h"
 #include "kvcache/export.h"
 #include "../core/params.h"
@@ -148,6 +149,24 @@ inline void trace_check_append_quantized_(
     const at::Tensor& keys_new, const at::Tensor& values_new) {
   check_append_quantized(keys, values, k_scale, v_scale, lengths, keys_new,
                          values_new, false);
+}
+
+// The fields a quantized write adds to its device params (QuantUpdateParams,
+// RingQuantUpdateParams: the same names), from checked tensors: the cache's
+// format, the new data's dtype and both scales' pointers and strides.
+template <typename Q>
+void fill_quant_fields(Q& q, const at::Tensor& keys, const at::Tensor& keys_new,
+                       at::Tensor& k_scale, at::Tensor& v_scale) {
+  q.format = format_of(keys.scalar_type());
+  const auto t = keys_new.scalar_type();
+  q.src_dtype = t == at::kFloat      ? FloatDtype::kFloat32
+                : t == at::kBFloat16 ? FloatDtype::kBFloat16
+                                     : FloatDtype::kFloat16;
+  at::Tensor* sc[2] = {&k_scale, &v_scale};
+  for (int w = 0; w < 2; ++w) {
+    q.scale[w] = sc[w]->mutable_data_ptr<float>();
+    for (int k = 0; k < 3; ++k) q.scale_stride[w][k] = sc[w]->stride(k);
+  }
 }
 
 }  // namespace detail
