@@ -45,7 +45,6 @@ import argparse
 import glob
 import math
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -56,7 +55,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import attend_isa, cpu_times, measure_many, num_threads, print_table  # noqa: E402
+from common import attend_isa, cpu_model, cpu_times, measure_many, num_threads, print_table  # noqa: E402
 
 import kvcache  # noqa: E402
 
@@ -116,22 +115,6 @@ def locate_gguf(path, cache_dir):
                 dst.write(chunk)
     os.replace(target + ".part", target)
     return target
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def kernel_isa() -> str:
-    """The CPU attend kernel's path, asked of the loaded library (common.attend_isa)."""
-    return attend_isa()
 
 
 def corpus_text() -> str:
@@ -460,7 +443,7 @@ def main(argv=None) -> int:
             torch.save((teacher_forced_logprobs(model, tok_ids, "int8"),
                         teacher_forced_logprobs(model, tok_ids, None)), args.dump_float_loops)
         return 0
-    print(f"CPU: {cpu_model()}; attend kernel ISA: {kernel_isa()}; torch {torch.__version__}; "
+    print(f"CPU: {cpu_model()}; attend kernel ISA: {attend_isa()}; torch {torch.__version__}; "
           f"kvcache {kvcache.__version__}; default threads {torch.get_num_threads()}")
     if args.int_loops:
         gguf = locate_gguf(args.gguf, args.cache_dir)
