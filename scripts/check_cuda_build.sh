@@ -13,6 +13,8 @@
 # here runs on a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/pip_quiet.sh
+. scripts/pip_quiet.sh
 
 VENV=${KVCACHE_CUDA_VENV:-.venv-cuda}
 OUT=build/cuda
@@ -37,6 +39,8 @@ start=$(date +%s)
 if [ ! -x "$VENV/bin/python" ]; then
   echo "== creating $VENV: torch==2.14.1 with CUDA 13 and its nvidia-* wheels, about 5.5 GB on disk" \
        "(kept for the next run; KVCACHE_CUDA_VENV=DIR puts it elsewhere, rm -rf $VENV frees it)"
+  # 5.5 GB of wheels plus pip's unpacking and the two builds (about 1 GB).
+  need_disk "$(dirname "$VENV")" 8 "check_cuda_build: the CUDA venv $VENV"
   python3 -m venv "$VENV"
 else
   echo "== using $VENV (torch==2.14.1 with CUDA 13, about 5.5 GB; rm -rf $VENV frees it)"
@@ -44,8 +48,7 @@ fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 # cmake from PyPI: Debian's 3.25 does not know nvcc 13's C++20 flags.
-pip install -q --disable-pip-version-check torch==2.14.1 numpy "setuptools>=77" \
-  ninja "cmake>=3.30" 2>&1 | grep -v "^WARNING: Location" || true
+pip_quiet torch==2.14.1 numpy "setuptools>=77" ninja "cmake>=3.30"
 echo "== CUDA torch ready in $(( $(date +%s) - start ))s: $(python -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)')"
 echo "== CUDA architectures $archs, nvcc $nvcc_version"
 

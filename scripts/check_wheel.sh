@@ -17,13 +17,14 @@
 # (default torch==2.13.0), KVCACHE_KEEP=1 keeps the temporary folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/pip_quiet.sh
+. scripts/pip_quiet.sh
 ROOT=$PWD
 VENV=${KVCACHE_VENV:-.venv}
 TORCH_SPEC=${KVCACHE_TORCH:-torch==2.13.0}
 OUT=$ROOT/build/wheel-check
 TMP=$(mktemp -d -t kvcache-wheel.XXXXXX)
 [ "${KVCACHE_KEEP:-0}" = 1 ] || trap 'rm -rf "$TMP"' EXIT
-PIP="pip install -q --disable-pip-version-check"
 case "$TORCH_SPEC" in *==*) ;; *) echo "check_wheel: KVCACHE_TORCH must pin a version (torch==X.Y.Z)" >&2; exit 2 ;; esac
 
 elapsed() { echo "$(( $(date +%s) - $1 ))s"; }
@@ -33,7 +34,7 @@ mkdir -p "$OUT"
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 # (cd /: the tree's build/ folder would pass for the package)
-(cd / && python -c "import build.__main__") 2>/dev/null || $PIP build
+(cd / && python -c "import build.__main__") 2>/dev/null || pip_quiet build
 
 echo "== sdist, then a wheel from it (python -m build --no-isolation)"
 start=$(date +%s)
@@ -80,7 +81,7 @@ python3 -m venv "$TMP/venv"
 # every `import torch` (so every `import kvcache`) warns "Failed to initialize
 # NumPy: No module named 'numpy'" (torch/_subclasses/functional_tensor.py
 # converts a tensor at import). kvcache itself does not use numpy.
-$PIP "$TORCH_SPEC" numpy "$wheel" 2>&1 | grep -v "^WARNING: Location" || true
+pip_quiet "$TORCH_SPEC" numpy "$wheel"
 echo "   installed in $(elapsed "$start"): $(pip list 2>/dev/null | grep -E '^(torch|kvcache) ' | tr -s ' ' | paste -sd, -)"
 
 echo "== the README's Python example, from the installed wheel"

@@ -4,6 +4,8 @@
 # Idempotent: a second run reinstalls nothing and rebuilds only if C++ changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/pip_quiet.sh
+. scripts/pip_quiet.sh
 
 PYTHON=${PYTHON:-python3}
 VENV=${KVCACHE_VENV:-.venv}
@@ -37,9 +39,9 @@ echo "== installing $TORCH_SPEC and the build/test requirements"
 # + accelerate, which transformers needs to load the GGUF model of
 # examples/hf_generate.py and examples/hf_speculative.py): installed here, so
 # the examples run after this script with no second install and no rebuild.
-pip install -q --disable-pip-version-check "$TORCH_SPEC" "setuptools>=77" ninja \
+pip_quiet "$TORCH_SPEC" "setuptools>=77" ninja \
   build numpy pytest expecttest "hypothesis==6.168.3" tqdm matplotlib \
-  "transformers==5.24.0" "gguf==0.19.0" "accelerate==1.15.0" 2>&1 | grep -v "^WARNING: Location" || true
+  "transformers==5.24.0" "gguf==0.19.0" "accelerate==1.15.0"
 python -c "import torch" >/dev/null  # fail here, clearly, if torch did not install
 
 # pip rebuilds every extension from scratch: skip it when the installed
@@ -56,8 +58,7 @@ PY
 else
   echo "== building kvcache (pip install --no-build-isolation -e .)"
   start=$(date +%s)
-  pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e . \
-    2>&1 | grep -v "^WARNING: Location" || true
+  pip_quiet --no-build-isolation --no-deps -e .
   echo "== build took $(( $(date +%s) - start ))s"
 fi
 python -c "import kvcache; print('kvcache', kvcache.__version__, kvcache.build_info())"
