@@ -19,6 +19,9 @@ capacity of a filled length in one run.
   - "masked SDPA, whole buffer": ``grouped_attention`` itself, the package
     Decoder's ``attention="sdpa"`` path: a boolean mask over the whole
     capacity, built per call as the model builds it.
+* gemmrows (batch 1, 4096 filled, chunks of 1 .. 128 positions): attend with the chunk (GEMM)
+  loops forced on (``set_attend_cpu_tuning(gemm_rows=1)``), forced off, and at the default
+  threshold, to measure where packing the keys pays.
 * ragged (batch 8, one query per row, lengths spread geometrically from 64
   to 4096, capacity 4096): one attend call against the sum of 8 per-row
   "SDPA prefix view" calls (each row's own prefix, timed as one loop), and
@@ -369,6 +372,42 @@ def case_crossover(args, threads):
     return out
 
 
+def case_gemmrows(args, threads):
+    """attend over chunks of 1 .. 128 positions (batch 1, 4096 filled) with the chunk (GEMM) loops
+    forced on (gemm_rows=1) and off: where packing the keys starts to pay. rows = query heads per
+    KV head x positions, the number the gemm_rows setting compares."""
+    set_tuning = kvcache._C.set_attend_cpu_tuning
+    default = kvcache._C.attend_cpu_tuning()["gemm_rows"]
+    seqs = (1, 2, 4, 8, 16, 32, 128) if not args.quick else (2, 8, 32)
+    filled = 4096 if not args.quick else 1024
+    group = HEADS // KV_HEADS
+    out = []
+    try:
+        for dtype_name in args.dtypes:
+            dtype = DTYPES[dtype_name]
+            keys, values = make_cache(1, filled, dtype)
+            lengths = torch.tensor([filled], dtype=torch.int32)
+            fns = {}
+            for seq in seqs:
+                q = torch.randn(1, HEADS, seq, HEAD_DIM).to(dtype)
+                for name, rows in (("gemm", 1), ("dot", 1 << 40), ("default", default)):
+                    def run(q=q, rows=rows):
+                        set_tuning(gemm_rows=rows)
+                        return ATTEND(q, keys, values, lengths)
+                    fns[(seq, name)] = run
+            res = measure(fns, args, threads)
+            for seq in seqs:
+                g, d, dflt = (res[(seq, n)]["median_us"] for n in ("gemm", "dot", "default"))
+                out.append(dict(case="gemmrows", threads=threads, dtype=dtype_name, seq=seq,
+                                rows=group * seq, gemm_us=g, dot_us=d, default_us=dflt,
+                                gemm_over_dot=g / d, default_over_best=dflt / min(g, d),
+                                gemm_spread=f"{res[(seq, 'gemm')]['min_us']:.0f}-{res[(seq, 'gemm')]['max_us']:.0f}",
+                                dot_spread=f"{res[(seq, 'dot')]['min_us']:.0f}-{res[(seq, 'dot')]['max_us']:.0f}"))
+    finally:
+        set_tuning(gemm_rows=default)
+    return out
+
+
 def ragged_lengths(b=8, lo=64, hi=4096):
     return [int(round(lo * (hi / lo) ** (i / (b - 1)))) for i in range(b)]
 
@@ -447,6 +486,9 @@ CASES = {
     "crossover": (case_crossover, "serial vs parallel decode over short rows, batch 1, µs",
                   ["dtype", "filled", "serial_us", "serial_spread", "parallel_us", "parallel_spread",
                    "default_us", "parallel_over_serial", "default_over_best"]),
+    "gemmrows": (case_gemmrows, "chunk (GEMM) loops forced on and off, batch 1, 4096 filled, µs",
+                 ["dtype", "seq", "rows", "gemm_us", "gemm_spread", "dot_us", "dot_spread", "default_us",
+                  "gemm_over_dot", "default_over_best"]),
     "ragged": (case_ragged, "ragged decode, batch 8, lengths 64..4096, capacity 4096, µs",
                ["dtype", "method", "median_us", "min_us", "max_us", "cpu_us", "vs_per_row_sdpa",
                 "cpu_vs_per_row_sdpa"]),

@@ -80,6 +80,38 @@ inline void prefetch_rows(const char* base, int64_t ld, int64_t j0, int64_t j1, 
   }
 }
 
+// The next block's key rows, then its value rows, asked for (into L2) a few
+// cache lines at a time: issue(n) asks for the next n lines. The chunk
+// kernels (qk_gemm) spread a block's lines over their tiles, so the packing
+// of the next block finds its keys in L2 instead of waiting on memory.
+class Trickle {
+ public:
+  explicit Trickle(const Ahead& a) : a_(a) {
+    if (a.k != nullptr) total_ = 2 * a.rows * ((a.row_bytes + 63) / 64);
+  }
+  int64_t total() const { return total_; }
+  // Lines per call of step() to ask for all of them in `calls` calls.
+  void spread_over(int64_t calls) { per_ = calls > 0 ? (total_ + calls - 1) / calls : total_; }
+  void step() { issue(per_); }
+  void issue(int64_t n) {
+    for (; n > 0 && done_ < total_; --n, ++done_) {
+      const bool values = row_ >= a_.rows;
+      const char* base = values ? a_.v : a_.k;
+      const int64_t ld = values ? a_.ldv : a_.ldk;
+      __builtin_prefetch(base + (values ? row_ - a_.rows : row_) * ld + off_, 0, 2);
+      off_ += 64;
+      if (off_ >= a_.row_bytes) {
+        off_ = 0;
+        ++row_;
+      }
+    }
+  }
+
+ private:
+  const Ahead& a_;
+  int64_t total_ = 0, done_ = 0, row_ = 0, off_ = 0, per_ = 0;
+};
+
 // R query rows against n slots; prefetches row c of `ahead` with slot c.
 template <int R, typename TK>
 inline void qk_rows(const float* q, int64_t ldq, const TK* k, int64_t ldk,
@@ -390,6 +422,186 @@ void pack_rows(const T* src, int64_t row_stride, int64_t elem_stride,
   }
 }
 
+// As pack_rows, vectorized where rows are contiguous and dim a multiple of
+// Vec::kLanes (a chunk's value block, widened once for all its query rows
+// instead of once per row tile).
+template <typename T>
+void widen_rows(const T* src, int64_t row_stride, int64_t elem_stride, int64_t n, int64_t dim,
+                int64_t dim_pad, float* dst) {
+  if (elem_stride != 1 || dim % Vec::kLanes != 0) {
+    pack_rows(src, row_stride, elem_stride, n, dim, dim_pad, dst);
+    return;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t d = 0; d < dim; d += Vec::kLanes) {
+      Vec::store(dst + j * dim_pad + d, Vec::load(src + j * row_stride + d));
+    }
+  }
+}
+
+// ---- Chunks: both products as GEMM micro-kernels (Plan::gemm) ----------
+//
+// A task with many query rows (a chunk: speculative verification, chunked
+// prefill) runs S = Q K^T in the broadcast form of a GEMM: the block's keys
+// are packed once, widened to float32 and transposed (kt[d * kBlock + j]),
+// and a tile of kGemmRows query rows x 2 vectors of slots accumulates
+// q[r, d] * kt[d, :] over d, with no horizontal sums. Packing costs one pass
+// over the block for all its rows; the dot-product form (qk_block) reads the
+// keys once per 4 rows and ends every tile with horizontal sums, and widens
+// 16-bit keys every time. Values of a 16-bit or quantized cache are widened
+// once per block (widen_rows) for the same reason, and O = alpha O + P V
+// runs kGemmRows-row tiles (pv_block<kGemmRows>).
+//
+// 12 accumulators on AVX2 (6 rows x 2 vectors, of 16 ymm registers: two for
+// the keys, one for the broadcast query) give two FMA units of latency 4
+// enough independent chains; 24 (12 x 2) of 32 zmm registers on AVX-512.
+constexpr int kGemmRows = Vec::kAcc >= 16 ? 12 : 6;
+
+// kt[d * kBlock + j] = key j's element d as float32, for j < n and d < dim
+// (dim a multiple of 8), and 0 for n <= j < n_pad (n_pad <= kBlock: the
+// score tiles' padded columns). k: n rows ldk apart, element stride es. kb:
+// kBlock x dim_pad floats of scratch for widened or partial rows.
+template <typename TK>
+void pack_kt(const TK* k, int64_t ldk, int64_t es, int64_t n, int64_t n_pad, int64_t dim,
+             int64_t dim_pad, float* kb, float* kt) {
+  const int64_t full = n / 8 * 8;
+  const float* src;
+  int64_t lds;
+  if constexpr (std::is_same_v<TK, float>) {
+    if (es == 1) {
+      src = k;
+      lds = ldk;
+    } else {
+      pack_rows(k, ldk, es, n, dim, dim_pad, kb);
+      src = kb;
+      lds = dim_pad;
+    }
+  } else {
+    widen_rows(k, ldk, es, n, dim, dim_pad, kb);
+    src = kb;
+    lds = dim_pad;
+  }
+  for (int64_t j = 0; j < full; j += 8) {
+    for (int64_t d = 0; d < dim; d += 8) Vec::transpose8x8(src + j * lds + d, lds, kt + d * kBlock + j, kBlock);
+  }
+  if (full < n) {  // the last rows, through a zero-padded tile: nothing past slot n is read
+    float tail[8 * 8];
+    for (int64_t d = 0; d < dim; d += 8) {
+      std::fill(tail, tail + 64, 0.f);
+      for (int64_t j = full; j < n; ++j) {
+        for (int64_t e = 0; e < 8; ++e) tail[(j - full) * 8 + e] = src[j * lds + d + e];
+      }
+      Vec::transpose8x8(tail, 8, kt + d * kBlock + full, kBlock);
+    }
+  }
+  const int64_t zero_from = (n + 7) / 8 * 8;
+  if (zero_from < n_pad) {
+    for (int64_t d = 0; d < dim; ++d) std::fill(kt + d * kBlock + zero_from, kt + d * kBlock + n_pad, 0.f);
+  }
+}
+
+// S[r, :W L] = sum_d q[r, d] kt[d, :W L] for R rows (L = Vec::kLanes).
+template <int R, int W>
+inline void qk_gemm_tile(const float* q, int64_t ldq, const float* kt, int64_t dim, float* s,
+                         int64_t lds) {
+  using V = typename Vec::V;
+  V acc[R * W];
+#pragma GCC unroll 32
+  for (int x = 0; x < R * W; ++x) acc[x] = Vec::zero();
+  for (int64_t d = 0; d < dim; ++d) {
+    static_assert(W == 1 || W == 2, "one or two vectors of slots");
+    // Named, not an array: pinning an array element makes GCC store it.
+    V k0 = Vec::load(kt + d * kBlock);
+    V k1 = k0;
+    if constexpr (W == 2) k1 = Vec::load(kt + d * kBlock + Vec::kLanes);
+    Vec::pin(k0);
+    if constexpr (W == 2) Vec::pin(k1);
+#pragma GCC unroll 32
+    for (int r = 0; r < R; ++r) {
+      const V qb = Vec::set1(q[r * ldq + d]);
+      acc[r * W] = Vec::fma(qb, k0, acc[r * W]);
+      if constexpr (W == 2) acc[r * W + 1] = Vec::fma(qb, k1, acc[r * W + 1]);
+    }
+  }
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int w = 0; w < W; ++w) Vec::store(s + r * lds + w * Vec::kLanes, acc[r * W + w]);
+  }
+}
+
+// f(std::integral_constant<int, rows>) for 1 <= rows <= R: a tile of the
+// last rows of a gemm product, fewer than kGemmRows, sized at compile time.
+template <int R, typename F>
+inline void with_rows(int64_t rows, F&& f) {
+  if constexpr (R >= 1) {
+    if (rows == R) {
+      f(std::integral_constant<int, R>{});
+    } else {
+      with_rows<R - 1>(rows, f);
+    }
+  }
+}
+
+// S[r, :n_pad] = q[r] . k[:n_pad] for `rows` query rows over packed keys
+// (pack_kt); columns past the block's n are 0 . q = 0 (the softmax masks
+// them). Column strips outside, row tiles inside: a strip of kt (2 vectors
+// x dim floats, 8 KB at head_dim 128) stays in L1 for all the rows, and the
+// rows stream from L2 at 6 of every 16 broadcasts.
+// The next block's lines (pf) are asked for over the tiles.
+inline void qk_gemm(const float* q, int64_t ldq, const float* kt, int64_t dim, int64_t rows,
+                    int64_t n_pad, float* s, int64_t lds, Trickle& pf) {
+  constexpr int L = Vec::kLanes;
+  auto strip = [&](auto wc, int64_t c) {
+    constexpr int W = decltype(wc)::value;
+    int64_t r = 0;
+    for (; r + kGemmRows <= rows; r += kGemmRows) {
+      pf.step();
+      qk_gemm_tile<kGemmRows, W>(q + r * ldq, ldq, kt + c, dim, s + r * lds + c, lds);
+    }
+    with_rows<kGemmRows - 1>(rows - r, [&](auto rc) {
+      pf.step();
+      qk_gemm_tile<decltype(rc)::value, W>(q + r * ldq, ldq, kt + c, dim, s + r * lds + c, lds);
+    });
+  };
+  int64_t c = 0;
+  for (; c + 2 * L <= n_pad; c += 2 * L) strip(std::integral_constant<int, 2>{}, c);
+  if (c < n_pad) strip(std::integral_constant<int, 1>{}, c);
+}
+
+// Tiles of a gemm product of `rows` rows over `cols` columns (qk_gemm:
+// cols = n_pad; pv_block_gemm: cols = head_dim), for Trickle::spread_over.
+inline int64_t gemm_tiles(int64_t rows, int64_t cols) {
+  return (cols + 2 * Vec::kLanes - 1) / (2 * Vec::kLanes) * ((rows + kGemmRows - 1) / kGemmRows);
+}
+
+// As pv_block, for chunks (Plan::gemm): tiles of kGemmRows rows x 2
+// vectors of head_dim; column strips outside, row tiles inside, so a strip
+// of the block's values (kBlock x 2 vectors, 4 KB) stays in L1 for all the
+// rows. dim: a multiple of Vec::kLanes.
+template <typename TV>
+void pv_block_gemm(const float* p, int64_t ldp, const TV* v, int64_t ldv, int64_t n, float* o,
+                   int64_t ldo, const float* alpha, int64_t rows, int64_t dim, Trickle& pf) {
+  constexpr int L = Vec::kLanes;
+  auto strip = [&](auto wc, int64_t d) {
+    constexpr int W = decltype(wc)::value;
+    int64_t r = 0;
+    for (; r + kGemmRows <= rows; r += kGemmRows) {
+      pf.step();
+      pv_tile<kGemmRows, W>(p + r * ldp, ldp, v + d, ldv, n, o + r * ldo + d, ldo, alpha + r);
+    }
+    with_rows<kGemmRows - 1>(rows - r, [&](auto rc) {
+      pf.step();
+      pv_tile<decltype(rc)::value, W>(p + r * ldp, ldp, v + d, ldv, n, o + r * ldo + d, ldo,
+                                      alpha + r);
+    });
+  };
+  int64_t d = 0;
+  for (; d + 2 * L <= dim; d += 2 * L) strip(std::integral_constant<int, 2>{}, d);
+  if (d < dim) strip(std::integral_constant<int, 1>{}, d);
+  pf.issue(pf.total());  // whatever the tiles left
+}
+
 // Online-softmax step of one row over a block of n slots, of which [a, e)
 // are visible to it. s holds the row's scores (n8 = n rounded up to
 // Vec::kLanes columns; the columns past n are scratch) and gets the weights.
@@ -595,7 +807,16 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
       ahead.row_bytes = D * int64_t(sizeof(TKV));
       ahead.rows = std::min(kBlock, task_hi - cend);
     }
-    if (plan.fast_k) {
+    // A chunk's block: GEMM micro-kernels over packed keys (and widened
+    // values) shared by all its rows.
+    const bool gemm = plan.gemm && rb - ra >= plan.gemm_rows;
+    Trickle pf(ahead);  // gemm: the next block's lines, over this block's tiles
+    if (gemm) {
+      pf.spread_over(gemm_tiles(rb - ra, n8) + gemm_tiles(rb - ra, Dp));
+      pack_kt(kbase + c0 * p.k_stride[2], p.k_stride[2], p.k_stride[3], n, n8, D, Dp,
+              sc.kb.data(), sc.kt.data());
+      qk_gemm(Q + ra * Dp, Dp, sc.kt.data(), D, rb - ra, n8, S + ra * kBlock, kBlock, pf);
+    } else if (plan.fast_k) {
       score_in_place(plan, sc, ra, rb, kbase + c0 * p.k_stride[2], p.k_stride[2], n, &ahead);
     } else {
       pack_rows(kbase + c0 * p.k_stride[2], p.k_stride[2], p.k_stride[3], n, D, Dp, sc.kb.data());
@@ -610,7 +831,17 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
       softmax_row(S + r * kBlock, a, e, n8, plan.cap, m[r], l[r], alpha[r]);
     }
     if constexpr (kQuantized) scale_columns(S, ra, rb, n, vscale + c0 * p.vs_stride[2], p.vs_stride[2]);
-    if (plan.fast_v) {
+    if (gemm) {
+      if (std::is_same_v<TKV, float> && plan.fast_v) {
+        pv_block_gemm(S + ra * kBlock, kBlock, vbase + c0 * p.v_stride[2], p.v_stride[2], n,
+                      O + ra * Dp, Dp, alpha + ra, rb - ra, D, pf);
+      } else {
+        widen_rows(vbase + c0 * p.v_stride[2], p.v_stride[2], p.v_stride[3], n, D, Dp,
+                   sc.vb.data());
+        pv_block_gemm(S + ra * kBlock, kBlock, static_cast<const float*>(sc.vb.data()), Dp, n,
+                      O + ra * Dp, Dp, alpha + ra, rb - ra, Dp, pf);
+      }
+    } else if (plan.fast_v) {
       weigh_in_place(plan, sc, ra, rb, vbase + c0 * p.v_stride[2], p.v_stride[2], n);
     } else {
       pack_rows(vbase + c0 * p.v_stride[2], p.v_stride[2], p.v_stride[3], n, D, Dp, sc.vb.data());

@@ -18,6 +18,10 @@ using detail::AttendParams;
 // Cached slots per block: one block's scores (rows x kBlock floats) and its
 // keys/values stay in L1/L2 while a block is processed.
 constexpr int64_t kBlock = 64;
+// A chunk's block takes the GEMM loops (Plan::gemm) when at least this many
+// query rows of its task see it: below, packing the keys costs more than the
+// micro-kernels save (measured: benchmarks/bench_attend.py --cases gemmrows).
+constexpr int64_t kDefaultGemmRows = 32;
 // log2(e): the kernel works in base 2 (exp2 is cheaper than exp).
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -44,6 +48,12 @@ struct Plan {
   // integer dot products (qk_block_i8, pv_block_i8: queries and weights
   // rounded to int16) where the ISA has them (Vec::kI8Dot).
   bool i8dot = false;
+  // Chunks (attend_kernel.h, "Chunks"): a linear task's blocks seen by at
+  // least gemm_rows query rows run GEMM micro-kernels over keys packed
+  // and transposed once per block. head_dim a multiple of 8 (the packing's
+  // 8 x 8 tiles); not with the integer loops, not for rings.
+  bool gemm = false;
+  int64_t gemm_rows = kDefaultGemmRows;  // the setting (kvcache/attend_cpu.h)
   // Scores in log2 units: q is scaled by scale * log2(e); with a softcap,
   // by scale / softcap, and the score becomes cap * tanh(q.k) with
   // cap = softcap * log2(e).
@@ -69,6 +79,8 @@ struct Task {
 // padding columns of q and the packed keys/values stay 0).
 struct Scratch {
   std::vector<float> q, o, s, kb, vb, m, l, alpha;
+  // Plan::gemm: a block's keys packed and transposed (dim_pad x kBlock).
+  std::vector<float> kt;
   std::vector<int64_t> lo, hi;
   // Rings: the gathered slots of a task and their positions, and the
   // per-(position, slot) visibility of a block.
@@ -84,8 +96,9 @@ struct Scratch {
     q.assign(rows * plan.dim_pad, 0.f);
     o.assign(rows * plan.dim_pad, 0.f);
     s.assign(rows * kBlock, 0.f);
-    if (!plan.fast_k || plan.ring) kb.assign(kBlock * plan.dim_pad, 0.f);
-    if (!plan.fast_v || plan.ring) vb.assign(kBlock * plan.dim_pad, 0.f);
+    if (!plan.fast_k || plan.ring || plan.gemm) kb.assign(kBlock * plan.dim_pad, 0.f);
+    if (!plan.fast_v || plan.ring || plan.gemm) vb.assign(kBlock * plan.dim_pad, 0.f);
+    if (plan.gemm) kt.assign(plan.dim_pad * kBlock, 0.f);
     if (plan.ring) {
       sel.assign(plan.p->max_len, 0);
       sel_pos.assign(plan.p->max_len, 0);

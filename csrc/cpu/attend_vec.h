@@ -17,7 +17,9 @@
 //   fma(a, b, c) = a * b + c, max,
 //   reduce_add, reduce_max, hsum8(const V[8], float*) (out[k] = sum of the
 //   lanes of in[k]), exp2 (exact 0 below 2^-126, so a -inf score gives an
-//   exact 0 weight; NaN propagates), tanh; and kI8Dot / I8, whether int8
+//   exact 0 weight; NaN propagates), tanh, transpose8x8(src, lds, dst, ldd)
+//   (dst[c * ldd + r] = src[r * lds + c] for an 8 x 8 float tile: the chunk
+//   kernels' key packing, whatever kLanes is); and kI8Dot / I8, whether int8
 //   caches with 16-bit queries take integer dot products, and their
 //   primitives (I8DotAvx2, for AVX2 and AVX-512; void for the portable flavour).
 #pragma once
@@ -91,6 +93,11 @@ struct VecGeneric {
   }
   static inline void store(float* p, V a) { std::memcpy(p, &a, sizeof(a)); }
   static inline void pin(V&) {}
+  static inline void transpose8x8(const float* src, int64_t lds, float* dst, int64_t ldd) {
+    for (int r = 0; r < 8; ++r) {
+      for (int c = 0; c < 8; ++c) dst[c * ldd + r] = src[r * lds + c];
+    }
+  }
   static inline V add(V a, V b) { return a + b; }
   static inline V sub(V a, V b) { return a - b; }
   static inline V mul(V a, V b) { return a * b; }
@@ -296,6 +303,28 @@ struct VecAvx2 {
     return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(mag, sgn)), _mm256_set1_ps(256.f));
   }
   static inline void store(float* p, V a) { _mm256_storeu_ps(p, a); }
+  // Unpacks pair rows (0,1), (2,3).. lane by lane, shuffles the pairs into
+  // quads, then swaps 128-bit halves: 24 shuffles for 64 elements.
+  static inline void transpose8x8(const float* src, int64_t lds, float* dst, int64_t ldd) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
+    for (int i = 0; i < 8; i += 2) {
+      t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+      r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+      r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+      r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+      r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    // r[0..3]: columns 0,1,2,3 of rows 0-3 (low half) and columns 4-7 (high
+    // half); r[4..7] the same for rows 4-7.
+    for (int i = 0; i < 4; ++i) {
+      _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+      _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+    }
+  }
   // Keeps a loaded vector in a register: GCC otherwise folds the load into
   // every FMA that uses it, one load per use, and the loop becomes load-bound.
   static inline void pin(V& a) { asm("" : "+x"(a)); }
@@ -391,6 +420,11 @@ struct VecAvx512 {
   static inline V zero() { return _mm512_setzero_ps(); }
   static inline V set1(float x) { return _mm512_set1_ps(x); }
   static inline V load(const float* p) { return _mm512_loadu_ps(p); }
+  // 256-bit: the same code as the AVX2 flavour's (a 16-lane flavour still
+  // packs keys by 8 x 8 tiles).
+  static inline void transpose8x8(const float* src, int64_t lds, float* dst, int64_t ldd) {
+    VecAvx2::transpose8x8(src, lds, dst, ldd);
+  }
   static inline V load(const c10::BFloat16* p) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));

@@ -112,22 +112,27 @@ Returns:
         py::dict out;
         out["parallel_work"] = t.parallel_work;
         out["min_split"] = t.min_split;
+        out["gemm_rows"] = t.gemm_rows;
         return out;
       },
-      R"doc(Returns the CPU attend kernel's threading settings.
+      R"doc(Returns the CPU attend kernel's threading and chunk settings.
 
 Returns:
   dict with ``parallel_work`` (float: estimated work above which a call uses
-  helper threads; 0: always) and ``min_split`` (int: fewest slots in a split
-  of a row when rows are split between threads).
+  helper threads; 0: always), ``min_split`` (int: fewest slots in a split
+  of a row when rows are split between threads) and ``gemm_rows`` (int:
+  fewest query rows of a task, query heads per KV head x positions, that
+  see a block for it to run the chunk (GEMM) loops).
 )doc");
 
   m.def(
       "set_attend_cpu_tuning",
-      [](std::optional<double> parallel_work, std::optional<int64_t> min_split) {
+      [](std::optional<double> parallel_work, std::optional<int64_t> min_split,
+         std::optional<int64_t> gemm_rows) {
         auto t = kvcache::attend_cpu_tuning();
         if (parallel_work) t.parallel_work = *parallel_work;
         if (min_split) t.min_split = *min_split;
+        if (gemm_rows) t.gemm_rows = *gemm_rows;
         if (!(t.parallel_work >= 0.0)) {
           throw py::value_error("parallel_work must be a number >= 0, got " +
                                 std::to_string(t.parallel_work));
@@ -135,18 +140,24 @@ Returns:
         if (t.min_split < 1) {
           throw py::value_error("min_split must be >= 1, got " + std::to_string(t.min_split));
         }
+        if (t.gemm_rows < 1) {
+          throw py::value_error("gemm_rows must be >= 1, got " + std::to_string(t.gemm_rows));
+        }
         kvcache::set_attend_cpu_tuning(t);
       },
       py::arg("parallel_work") = py::none(), py::arg("min_split") = py::none(),
-      R"doc(Replaces the CPU attend kernel's threading settings (benchmarks, tests).
+      py::arg("gemm_rows") = py::none(),
+      R"doc(Replaces the CPU attend kernel's threading and chunk settings (benchmarks, tests).
 
 Args:
   parallel_work: float >= 0 or None (keep): estimated work above which a
     call uses helper threads; 0 makes every call with more than one task
     parallel.
   min_split: int >= 1 or None (keep): fewest slots in a split of a row.
+  gemm_rows: int >= 1 or None (keep): fewest query rows of a task that see
+    a block for it to run the chunk (GEMM) loops; 1: every block.
 
 Raises:
-  ValueError: parallel_work < 0 (or NaN) or min_split < 1.
+  ValueError: parallel_work < 0 (or NaN), min_split < 1 or gemm_rows < 1.
 )doc");
 }

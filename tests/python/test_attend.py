@@ -324,6 +324,8 @@ def test_attend_cpu_tuning_rejects_bad_values():
         kvcache._C.set_attend_cpu_tuning(parallel_work=float("nan"))
     with pytest.raises(ValueError, match="min_split"):
         kvcache._C.set_attend_cpu_tuning(min_split=0)
+    with pytest.raises(ValueError, match="gemm_rows"):
+        kvcache._C.set_attend_cpu_tuning(gemm_rows=0)
     assert kvcache._C.attend_cpu_tuning() == saved
     assert kvcache._C.attend_cpu_isa() in ("avx512", "avx2", "generic")
 

@@ -1,7 +1,8 @@
 // Run-time settings of the CPU attend kernel, for benchmarks and tests:
-// which instruction-set path it takes, and the two thresholds that decide
-// when a call uses helper threads and how finely a row's slots are split
-// between them. Plain C++ (no torch headers).
+// which instruction-set path it takes, the two thresholds that decide when
+// a call uses helper threads and how finely a row's slots are split between
+// them, and the query rows from which a block runs the chunk (GEMM) loops.
+// Plain C++ (no torch headers).
 #pragma once
 
 #include "kvcache/export.h"
@@ -19,15 +20,20 @@ struct AttendCpuTuning {
   // Fewest slots in a split of a row (a multiple of 64 is used: the kernel's
   // block); rows are split only when there are fewer tasks than threads.
   int64_t min_split;
+  // Fewest query rows of a task (query heads per KV head x positions) that
+  // see a block for it to run the chunk loops: keys packed once per block,
+  // GEMM micro-kernels. 1: every block of every call.
+  int64_t gemm_rows = 32;
 };
 
 /// The settings in effect (initially the defaults, or the environment's
-/// KVCACHE_ATTEND_PARALLEL_WORK / KVCACHE_ATTEND_MIN_SPLIT).
+/// KVCACHE_ATTEND_PARALLEL_WORK / KVCACHE_ATTEND_MIN_SPLIT /
+/// KVCACHE_ATTEND_GEMM_ROWS).
 KVCACHE_API AttendCpuTuning attend_cpu_tuning();
 
 /// Replaces the settings for later calls (not thread-safe against a call
 /// in flight; meant for benchmarks and tests). Throws std::invalid_argument
-/// for a negative parallel_work or a min_split below 1.
+/// for a negative parallel_work, or a min_split or gemm_rows below 1.
 KVCACHE_API void set_attend_cpu_tuning(const AttendCpuTuning& tuning);
 
 /// The instruction-set path the kernel takes on this machine: "avx512",
