@@ -543,62 +543,60 @@ inline void with_rows(int64_t rows, F&& f) {
   }
 }
 
-// S[r, :n_pad] = q[r] . k[:n_pad] for `rows` query rows over packed keys
-// (pack_kt); columns past the block's n are 0 . q = 0 (the softmax masks
-// them). Column strips outside, row tiles inside: a strip of kt (2 vectors
-// x dim floats, 8 KB at head_dim 128) stays in L1 for all the rows, and the
-// rows stream from L2 at 6 of every 16 broadcasts.
-// The next block's lines (pf) are asked for over the tiles.
-inline void qk_gemm(const float* q, int64_t ldq, const float* kt, int64_t dim, int64_t rows,
-                    int64_t n_pad, float* s, int64_t lds, Trickle& pf) {
+// The tile walk of both gemm products (qk_gemm, pv_block_gemm): `rows`
+// rows by `cols` columns (a multiple of Vec::kLanes) in tiles of kGemmRows
+// rows x 2 vectors, a last strip of 1 vector where cols is odd in vectors
+// and a last row tile of fewer rows, sized at compile time. Column strips
+// outside, row tiles inside: a strip of the right-hand operand (packed
+// keys or a block's values) stays in L1 for all the rows, and the rows
+// stream from L2. Each tile first asks for a few lines of the next block
+// (pf.step()). tile(W, R, r, c) with W, R std::integral_constants.
+template <typename F>
+inline void for_gemm_tiles(int64_t rows, int64_t cols, Trickle& pf, F&& tile) {
   constexpr int L = Vec::kLanes;
   auto strip = [&](auto wc, int64_t c) {
-    constexpr int W = decltype(wc)::value;
     int64_t r = 0;
     for (; r + kGemmRows <= rows; r += kGemmRows) {
       pf.step();
-      qk_gemm_tile<kGemmRows, W>(q + r * ldq, ldq, kt + c, dim, s + r * lds + c, lds);
+      tile(wc, std::integral_constant<int, kGemmRows>{}, r, c);
     }
     with_rows<kGemmRows - 1>(rows - r, [&](auto rc) {
       pf.step();
-      qk_gemm_tile<decltype(rc)::value, W>(q + r * ldq, ldq, kt + c, dim, s + r * lds + c, lds);
+      tile(wc, rc, r, c);
     });
   };
   int64_t c = 0;
-  for (; c + 2 * L <= n_pad; c += 2 * L) strip(std::integral_constant<int, 2>{}, c);
-  if (c < n_pad) strip(std::integral_constant<int, 1>{}, c);
+  for (; c + 2 * L <= cols; c += 2 * L) strip(std::integral_constant<int, 2>{}, c);
+  if (c < cols) strip(std::integral_constant<int, 1>{}, c);
 }
 
-// Tiles of a gemm product of `rows` rows over `cols` columns (qk_gemm:
-// cols = n_pad; pv_block_gemm: cols = head_dim), for Trickle::spread_over.
+// The number of tiles for_gemm_tiles(rows, cols) visits (the pf.step()
+// calls), for Trickle::spread_over.
 inline int64_t gemm_tiles(int64_t rows, int64_t cols) {
   return (cols + 2 * Vec::kLanes - 1) / (2 * Vec::kLanes) * ((rows + kGemmRows - 1) / kGemmRows);
 }
 
-// As pv_block, for chunks (Plan::gemm): tiles of kGemmRows rows x 2
-// vectors of head_dim; column strips outside, row tiles inside, so a strip
-// of the block's values (kBlock x 2 vectors, 4 KB) stays in L1 for all the
-// rows. dim: a multiple of Vec::kLanes.
+// S[r, :n_pad] = q[r] . k[:n_pad] for `rows` query rows over packed keys
+// (pack_kt); columns past the block's n are 0 . q = 0 (the softmax masks
+// them). A strip of kt is 2 vectors x dim floats, 8 KB at head_dim 128.
+inline void qk_gemm(const float* q, int64_t ldq, const float* kt, int64_t dim, int64_t rows,
+                    int64_t n_pad, float* s, int64_t lds, Trickle& pf) {
+  for_gemm_tiles(rows, n_pad, pf, [&](auto wc, auto rc, int64_t r, int64_t c) {
+    qk_gemm_tile<decltype(rc)::value, decltype(wc)::value>(q + r * ldq, ldq, kt + c, dim,
+                                                           s + r * lds + c, lds);
+  });
+}
+
+// As pv_block, for chunks (Plan::gemm): for_gemm_tiles over rows x
+// head_dim; a strip of the block's values is kBlock x 2 vectors (4 KB).
+// dim: a multiple of Vec::kLanes.
 template <typename TV>
 void pv_block_gemm(const float* p, int64_t ldp, const TV* v, int64_t ldv, int64_t n, float* o,
                    int64_t ldo, const float* alpha, int64_t rows, int64_t dim, Trickle& pf) {
-  constexpr int L = Vec::kLanes;
-  auto strip = [&](auto wc, int64_t d) {
-    constexpr int W = decltype(wc)::value;
-    int64_t r = 0;
-    for (; r + kGemmRows <= rows; r += kGemmRows) {
-      pf.step();
-      pv_tile<kGemmRows, W>(p + r * ldp, ldp, v + d, ldv, n, o + r * ldo + d, ldo, alpha + r);
-    }
-    with_rows<kGemmRows - 1>(rows - r, [&](auto rc) {
-      pf.step();
-      pv_tile<decltype(rc)::value, W>(p + r * ldp, ldp, v + d, ldv, n, o + r * ldo + d, ldo,
-                                      alpha + r);
-    });
-  };
-  int64_t d = 0;
-  for (; d + 2 * L <= dim; d += 2 * L) strip(std::integral_constant<int, 2>{}, d);
-  if (d < dim) strip(std::integral_constant<int, 1>{}, d);
+  for_gemm_tiles(rows, dim, pf, [&](auto wc, auto rc, int64_t r, int64_t d) {
+    pv_tile<decltype(rc)::value, decltype(wc)::value>(p + r * ldp, ldp, v + d, ldv, n, o + r * ldo + d,
+                                                      ldo, alpha + r);
+  });
   pf.issue(pf.total());  // whatever the tiles left
 }
 

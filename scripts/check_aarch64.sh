@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Cross-compiles the CPU kernels for aarch64 (ARM NEON), so that code which
+# only x86 machines run (this project's CI and dev machines) cannot break the
+# ARM build unseen. On aarch64 the attend kernel runs its portable flavour
+# (VecGeneric, GCC vector extensions), which GCC lowers to NEON; the check
+# fails if the object has no NEON fused multiply-adds (fmla .4s), i.e. if
+# the vectors fell back to scalar code. Compile only: nothing here runs ARM
+# code, and the portable flavour's results are tested on x86 by the pytest
+# suite (KVCACHE_ATTEND_ISA=generic).
+# Needs .venv (scripts/setup.sh) for torch's headers; installs
+# g++-aarch64-linux-gnu (apt-get) when it is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CXX=${KVCACHE_AARCH64_CXX:-aarch64-linux-gnu-g++}
+if ! command -v "$CXX" >/dev/null; then
+  echo "== installing g++-aarch64-linux-gnu (apt-get)"
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq g++-aarch64-linux-gnu >/dev/null
+fi
+PY=${KVCACHE_VENV:-.venv}/bin/python
+TI=$("$PY" -c "import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'include'))")
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+for src in csrc/cpu/*.cpp; do
+  obj="$out/$(basename "$src" .cpp).o"
+  echo "== $CXX -march=armv8-a $src"
+  "$CXX" -std=c++20 -O3 -march=armv8-a -fPIC -fopenmp -Wall -Werror -Wno-psabi \
+    -Icsrc -Icsrc/include -I"$TI" -I"$TI/torch/csrc/api/include" -c "$src" -o "$obj"
+done
+fmla=$(aarch64-linux-gnu-objdump -d "$out/attend.o" | grep -c 'fmla.*\.4s' || true)
+echo "== attend.o (aarch64): $fmla NEON fmla .4s instructions"
+if [ "$fmla" -lt 100 ]; then
+  echo "the aarch64 attend kernel has (almost) no NEON FMAs: its vectors were scalarized" >&2
+  exit 1
+fi
+echo "== aarch64 cross-compile: OK"
