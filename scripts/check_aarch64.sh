@@ -11,7 +11,8 @@
 # g++-aarch64-linux-gnu (apt-get) when it is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-CXX=${KVCACHE_AARCH64_CXX:-aarch64-linux-gnu-g++}
+CXX=aarch64-linux-gnu-g++
+OBJDUMP=aarch64-linux-gnu-objdump
 if ! command -v "$CXX" >/dev/null; then
   echo "== installing g++-aarch64-linux-gnu (apt-get)"
   SUDO=""
@@ -21,15 +22,27 @@ if ! command -v "$CXX" >/dev/null; then
 fi
 PY=${KVCACHE_VENV:-.venv}/bin/python
 TI=$("$PY" -c "import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'include'))")
+# The release build's language standard, flags and OpenMP, from the one place
+# they are set.
+mapfile -t flags < <("$PY" - <<'PY'
+import json
+s = json.load(open("cmake/build_settings.json"))
+print(f"-std=c++{s['cxx_standard']}")
+for f in s["release_flags"]:
+    print(f)
+if s["openmp"]:
+    print("-fopenmp")
+PY
+)
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 for src in csrc/cpu/*.cpp; do
   obj="$out/$(basename "$src" .cpp).o"
   echo "== $CXX -march=armv8-a $src"
-  "$CXX" -std=c++20 -O3 -march=armv8-a -fPIC -fopenmp -Wall -Werror -Wno-psabi \
+  "$CXX" "${flags[@]}" -march=armv8-a -fPIC -Wall -Werror -Wno-psabi \
     -Icsrc -Icsrc/include -I"$TI" -I"$TI/torch/csrc/api/include" -c "$src" -o "$obj"
 done
-fmla=$(aarch64-linux-gnu-objdump -d "$out/attend.o" | grep -c 'fmla.*\.4s' || true)
+fmla=$("$OBJDUMP" -d "$out/attend.o" | grep -c 'fmla.*\.4s' || true)
 echo "== attend.o (aarch64): $fmla NEON fmla .4s instructions"
 if [ "$fmla" -lt 100 ]; then
   echo "the aarch64 attend kernel has (almost) no NEON FMAs: its vectors were scalarized" >&2
