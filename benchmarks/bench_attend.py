@@ -1,9 +1,13 @@
 """Attention benchmarks: kvcache.attend against scaled-dot-product attention over a KV cache.
 
 ``python benchmarks/bench_attend.py [--threads 1 0] [--cases decode ragged prefill] [--quick] [--json F]``
+``python benchmarks/bench_attend.py --cases decode chunk --head-dims 64 128 256 --batches 1 8`` (issue 22's grid)
 
 Shapes: 32 query heads / 8 KV heads (grouped-query attention, group 4),
-head_dim 128, float32 and bfloat16. Each case runs at every ``--threads``
+head_dim 128, float32 and bfloat16; the decode and chunk cases also run at
+every ``--head-dims`` x ``--batches`` pair (every row of a batch filled to the
+same length; the capacity sweep only at batch 1, head_dim 128) and at the
+``--filled`` lengths given. Each case runs at every ``--threads``
 setting, its methods interleaved over rounds (median and min-max spread of
 the round medians, see common.py); the decode case interleaves every
 capacity of a filled length in one run.
@@ -66,6 +70,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import subprocess
 import sys
@@ -95,10 +100,10 @@ HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 ATTEND = torch.ops.kvcache.attend.default
 
 
-def make_cache(b, capacity, dtype, seed=0):
+def make_cache(b, capacity, dtype, seed=0, head_dim=HEAD_DIM):
     g = torch.Generator().manual_seed(seed)
-    keys = torch.randn(b, KV_HEADS, capacity, HEAD_DIM, generator=g).to(dtype)
-    values = torch.randn(b, KV_HEADS, capacity, HEAD_DIM, generator=g).to(dtype)
+    keys = torch.randn(b, KV_HEADS, capacity, head_dim, generator=g).to(dtype)
+    values = torch.randn(b, KV_HEADS, capacity, head_dim, generator=g).to(dtype)
     return keys, values
 
 
@@ -164,11 +169,11 @@ def executorch_peer(q, keys, values, filled):
     return lambda: op(qt, kt, vt, filled - seq, None, 0.0, True)
 
 
-def decode_methods(filled, capacity, dtype, args=None, peers=True):
-    keys, values = make_cache(1, capacity, dtype)
-    q = torch.randn(1, HEADS, 1, HEAD_DIM).to(dtype)
-    lengths = torch.tensor([filled], dtype=torch.int32)
-    positions = torch.tensor([[filled - 1]])
+def decode_methods(filled, capacity, dtype, args=None, peers=True, batch=1, head_dim=HEAD_DIM):
+    keys, values = make_cache(batch, capacity, dtype, head_dim=head_dim)
+    q = torch.randn(batch, HEADS, 1, head_dim).to(dtype)
+    lengths = torch.full((batch,), filled, dtype=torch.int32)
+    positions = torch.full((batch, 1), filled - 1)
     fns = {
         "kvcache attend": lambda: ATTEND(q, keys, values, lengths),
         "SDPA prefix view": lambda: sdpa_prefix(q, keys, values, filled),
@@ -183,8 +188,19 @@ def decode_methods(filled, capacity, dtype, args=None, peers=True):
         e = executorch_peer(q, keys, values, filled)
         if e is not None:
             fns["ExecuTorch custom_sdpa"] = e
-        fns["stream read (same bytes)"] = stream_read(2 * KV_HEADS * filled * HEAD_DIM * elem_bytes(dtype))
+        fns["stream read (same bytes)"] = stream_read(kv_bytes(batch, filled, head_dim, dtype))
     return fns
+
+
+def kv_bytes(batch, filled, head_dim, dtype) -> int:
+    """Bytes of keys and values attend reads over `filled` slots of every row."""
+    return 2 * batch * KV_HEADS * filled * head_dim * elem_bytes(dtype)
+
+
+def shapes(args):
+    """The (batch, head_dim) pairs of --batches x --head-dims, the default pair (1, 128) first."""
+    out = [(b, d) for b in args.batches for d in args.head_dims]
+    return sorted(out, key=lambda bd: bd != (1, HEAD_DIM))
 
 
 PEERS = ("SDPA prefix view", "SDPA prefix, enable_gqa", "flex_attention (compiled)", "ExecuTorch custom_sdpa")
@@ -223,31 +239,43 @@ def case_decode(args, threads):
     filled_caps = {256: [512, 4096, 32768], 4096: [4096, 32768], 16384: [16384]}
     if args.quick:
         filled_caps = {256: [512, 32768]}
+    if args.filled:
+        filled_caps = {f: filled_caps.get(f, [f]) for f in args.filled}
     out = []
     for dtype_name in args.dtypes:
         dtype = DTYPES[dtype_name]
-        for filled, caps in filled_caps.items():
-            fns = {}
-            for cap in caps:
-                for name, fn in decode_methods(filled, cap, dtype, args).items():
-                    fns[(cap, name)] = fn
-            res = measure(fns, args, threads, len(caps))
-            kv_bytes = 2 * KV_HEADS * filled * HEAD_DIM * elem_bytes(dtype)
-            for cap in caps:
-                r = {name: m for (c, name), m in res.items() if c == cap}
-                for name, m in r.items():
-                    if name == "stream read (same bytes)":
-                        continue
-                    row = dict(case="decode", threads=threads, dtype=dtype_name, filled=filled, capacity=cap,
-                               method=name, **m,
-                               vs_prefix_sdpa=ratio(r, name, "SDPA prefix view"),
-                               masked_over_this=ratio(r, "masked SDPA, whole buffer", name))
-                    if name == "kvcache attend":
-                        add_limits(r, row, name, kv_bytes)
-                    if threads == 1:
-                        row["cpu_vs_prefix_sdpa"] = ratio(r, name, "SDPA prefix view", "cpu_us")
-                        row["cpu_masked_over_this"] = ratio(r, "masked SDPA, whole buffer", name, "cpu_us")
-                    out.append(row)
+        for batch, head_dim in shapes(args):
+            for filled, caps in filled_caps.items():
+                if (batch, head_dim) != (1, HEAD_DIM):
+                    caps = caps[:1]  # the capacity sweep (issue 9's targets) only for the default shape
+                fns = {}
+                for cap in caps:
+                    for name, fn in decode_methods(filled, cap, dtype, args, batch=batch, head_dim=head_dim).items():
+                        fns[(cap, name)] = fn
+                res = measure(fns, args, threads, len(caps))
+                out.extend(decode_rows(res, caps, threads, dtype_name, batch, head_dim, filled))
+                del fns, res  # free this shape's caches before the next one is made
+    return out
+
+
+def decode_rows(res, caps, threads, dtype_name, batch, head_dim, filled):
+    out = []
+    nbytes = kv_bytes(batch, filled, head_dim, DTYPES[dtype_name])
+    for cap in caps:
+        r = {name: m for (c, name), m in res.items() if c == cap}
+        for name, m in r.items():
+            if name == "stream read (same bytes)":
+                continue
+            row = dict(case="decode", threads=threads, dtype=dtype_name, batch=batch,
+                       head_dim=head_dim, filled=filled, capacity=cap, method=name, **m,
+                       vs_prefix_sdpa=ratio(r, name, "SDPA prefix view"),
+                       masked_over_this=ratio(r, "masked SDPA, whole buffer", name))
+            if name == "kvcache attend":
+                add_limits(r, row, name, nbytes)
+            if threads == 1:
+                row["cpu_vs_prefix_sdpa"] = ratio(r, name, "SDPA prefix view", "cpu_us")
+                row["cpu_masked_over_this"] = ratio(r, "masked SDPA, whole buffer", name, "cpu_us")
+            out.append(row)
     return out
 
 
@@ -274,38 +302,41 @@ def case_chunk(args, threads):
     seqs, filleds = (4, 128), (256, 4096)
     if args.quick:
         filleds = (256,)
+    if args.filled:
+        filleds = tuple(args.filled)
     out = []
     for dtype_name in args.dtypes:
         dtype = DTYPES[dtype_name]
         rate = gemm_rate(dtype)
-        for seq in seqs:
-            for filled in filleds:
-                keys, values = make_cache(1, filled, dtype)
-                q = torch.randn(1, HEADS, seq, HEAD_DIM).to(dtype)
-                lengths = torch.tensor([filled], dtype=torch.int32)
-                mask = chunk_mask(seq, filled)
-                group = HEADS // KV_HEADS
-                mask_folded = mask.repeat(group, 1)
-                qf = q.reshape(1, KV_HEADS, group * seq, HEAD_DIM)
-                fns = {
-                    "kvcache attend": lambda: ATTEND(q, keys, values, lengths),
-                    "SDPA prefix, enable_gqa": lambda: sdpa_prefix_gqa(q, keys, values, filled, mask),
-                    "SDPA prefix view": lambda: F.scaled_dot_product_attention(qf, keys, values,
-                                                                               attn_mask=mask_folded),
-                }
-                e = executorch_peer(q, keys, values, filled)
-                if e is not None:
-                    fns["ExecuTorch custom_sdpa"] = e
-                res = measure(fns, args, threads)
-                visible = sum(filled - seq + i + 1 for i in range(seq))
-                flops = 4.0 * HEADS * HEAD_DIM * visible  # Q.K and P.V, 2 flops a multiply-add
-                for name, m in res.items():
-                    row = dict(case="chunk", threads=threads, dtype=dtype_name, seq=seq, filled=filled,
-                               method=name, **m, GFLOP_s=flops / m["median_us"] / 1e3, gemm_GFLOP_s=rate)
-                    row["gemm_frac"] = row["GFLOP_s"] / rate
-                    if name == "kvcache attend":
-                        add_limits(res, row, name, 2 * KV_HEADS * filled * HEAD_DIM * elem_bytes(dtype))
-                    out.append(row)
+        for (batch, head_dim), seq, filled in itertools.product(shapes(args), seqs, filleds):
+            keys, values = make_cache(batch, filled, dtype, head_dim=head_dim)
+            q = torch.randn(batch, HEADS, seq, head_dim).to(dtype)
+            lengths = torch.full((batch,), filled, dtype=torch.int32)
+            mask = chunk_mask(seq, filled)
+            group = HEADS // KV_HEADS
+            mask_folded = mask.repeat(group, 1)
+            qf = q.reshape(batch, KV_HEADS, group * seq, head_dim)
+            fns = {
+                "kvcache attend": lambda: ATTEND(q, keys, values, lengths),
+                "SDPA prefix, enable_gqa": lambda: sdpa_prefix_gqa(q, keys, values, filled, mask),
+                "SDPA prefix view": lambda: F.scaled_dot_product_attention(qf, keys, values,
+                                                                           attn_mask=mask_folded),
+            }
+            e = executorch_peer(q, keys, values, filled)
+            if e is not None:
+                fns["ExecuTorch custom_sdpa"] = e
+            res = measure(fns, args, threads)
+            visible = sum(filled - seq + i + 1 for i in range(seq))
+            flops = 4.0 * batch * HEADS * head_dim * visible  # Q.K and P.V, 2 flops a multiply-add
+            for name, m in res.items():
+                row = dict(case="chunk", threads=threads, dtype=dtype_name, batch=batch, head_dim=head_dim,
+                           seq=seq, filled=filled, method=name, **m, GFLOP_s=flops / m["median_us"] / 1e3,
+                           gemm_GFLOP_s=rate)
+                row["gemm_frac"] = row["GFLOP_s"] / rate
+                if name == "kvcache attend":
+                    add_limits(res, row, name, kv_bytes(batch, filled, head_dim, dtype))
+                out.append(row)
+            del fns, res, keys, values
     return out
 
 
@@ -474,12 +505,12 @@ def case_prefill(args, threads):
 
 
 CASES = {
-    "decode": (case_decode, "decode, batch 1, 32/8 heads, head_dim 128, µs",
-               ["dtype", "filled", "capacity", "method", "median_us", "min_us", "max_us", "cpu_us",
+    "decode": (case_decode, "decode, one query, 32/8 heads, µs",
+               ["dtype", "batch", "head_dim", "filled", "capacity", "method", "median_us", "min_us", "max_us", "cpu_us",
                 "vs_prefix_sdpa", "cpu_vs_prefix_sdpa", "masked_over_this", "kv_MB", "GB_s", "bw_frac",
                 "best_peer", "vs_best"]),
-    "chunk": (case_chunk, "chunks (seq 4, 128), batch 1, 32/8 heads, head_dim 128, µs",
-              ["dtype", "seq", "filled", "method", "median_us", "min_us", "max_us", "GFLOP_s", "gemm_GFLOP_s",
+    "chunk": (case_chunk, "chunks (seq 4, 128), 32/8 heads, µs",
+              ["dtype", "batch", "head_dim", "seq", "filled", "method", "median_us", "min_us", "max_us", "GFLOP_s", "gemm_GFLOP_s",
                "gemm_frac", "GB_s", "bw_frac", "best_peer", "vs_best"]),
     "ring": (case_ring, "ring decode (window 4096, sinks 4, wrapped) against linear, batch 1, µs",
              ["dtype", "method", "median_us", "min_us", "max_us", "vs_linear", "GB_s", "bw_frac"]),
@@ -516,7 +547,8 @@ def targets(rows: List[dict], threads: int) -> List[dict]:
 
     for dt in sorted({r["dtype"] for r in rows}):
         dec = {(r["filled"], r["capacity"]): r for r in rows
-               if r["case"] == "decode" and r["dtype"] == dt and r["method"] == "kvcache attend"}
+               if r["case"] == "decode" and r["dtype"] == dt and r["method"] == "kvcache attend"
+               and (r["batch"], r["head_dim"]) == (1, HEAD_DIM)}
         for filled, base in ((256, 512), (4096, 4096)):
             if (filled, base) in dec and (filled, 32768) in dec:
                 a, b = dec[(filled, 32768)], dec[(filled, base)]
@@ -556,6 +588,12 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per case (spread = their range)")
     p.add_argument("--flex", action="store_true", help="also time compiled flex_attention (compiles per shape)")
     p.add_argument("--busy", action="store_true", help="run a spinning process beside the benchmark")
+    p.add_argument("--head-dims", type=int, nargs="+", default=[HEAD_DIM],
+                   help="head_dims of the decode and chunk cases (issue 22's grid: 64 128 256)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1],
+                   help="batch sizes of the decode and chunk cases (issue 22's grid: 1 8)")
+    p.add_argument("--filled", type=int, nargs="+", default=None,
+                   help="filled slots of the decode and chunk cases (default: decode 256 4096 16384, chunk 256 4096)")
     args = p.parse_args(argv)
     if args.device != "cpu":
         p.error("bench_attend.py measures the CPU kernel (--device cpu)")
@@ -587,6 +625,8 @@ def issue22_targets(rows: List[dict], threads: int) -> List[dict]:
         if r["threads"] != threads or r.get("method") != "kvcache attend" or "vs_best" not in r:
             continue
         name = f"{r['dtype']} {r['case']} " + (f"seq {r['seq']} " if "seq" in r else "") + f"filled {r['filled']}"
+        if "batch" in r and (r["batch"], r["head_dim"]) != (1, HEAD_DIM):
+            name += f" batch {r['batch']} head_dim {r['head_dim']}"
         if r["case"] == "decode":
             name += f" cap {r['capacity']}"
         out.append(dict(target=f"{name}: attend / best peer ({r['best_peer']})", goal="<= 0.9",
