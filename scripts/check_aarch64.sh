@@ -13,13 +13,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 CXX=aarch64-linux-gnu-g++
 OBJDUMP=aarch64-linux-gnu-objdump
-if ! command -v "$CXX" >/dev/null; then
-  echo "== installing g++-aarch64-linux-gnu (apt-get)"
-  SUDO=""
-  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq g++-aarch64-linux-gnu >/dev/null
-fi
+# shellcheck source=scripts/apt_install.sh
+. scripts/apt_install.sh
+command -v "$CXX" >/dev/null || apt_install g++-aarch64-linux-gnu
 PY=${KVCACHE_VENV:-.venv}/bin/python
 TI=$("$PY" -c "import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'include'))")
 # The release build's language standard, flags and OpenMP, from the one place

@@ -6,6 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/pip_quiet.sh
 . scripts/pip_quiet.sh
+# shellcheck source=scripts/apt_install.sh
+. scripts/apt_install.sh
 
 PYTHON=${PYTHON:-python3}
 VENV=${KVCACHE_VENV:-.venv}
@@ -17,13 +19,7 @@ command -v ninja >/dev/null || need_apt+=(ninja-build)
 command -v g++ >/dev/null || need_apt+=(g++)
 [ -e /usr/include/catch2/catch.hpp ] || [ -e /usr/include/catch2/catch_test_macros.hpp ] \
   || [ -e /usr/local/include/catch2/catch_test_macros.hpp ] || need_apt+=(catch2)
-if [ ${#need_apt[@]} -gt 0 ]; then
-  echo "== installing ${need_apt[*]} (apt-get)"
-  SUDO=""
-  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
-fi
+[ ${#need_apt[@]} -eq 0 ] || apt_install "${need_apt[@]}"
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "== creating $VENV"
