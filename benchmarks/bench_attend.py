@@ -40,8 +40,8 @@ capacity of a filled length in one run.
   against SDPA on the prefix with the bottom-right causal mask (enable_gqa,
   and the group folded into the query axis with the mask repeated); each row
   prints the GFLOP/s reached and its fraction of the GEMM rate measured in
-  the same run at the same thread count (``torch.mm``, 1024 x 1024 x 1024,
-  the faster of the row's dtype and float32).
+  the same interleaved rounds at the same thread count (``torch.mm``,
+  1024 x 1024 x 1024, the faster of the row's dtype and float32).
 * ring (batch 1, one query, a wrapped ring of window 4096, sinks 4): attend
   over the ring against attend over a linear cache with the same number of
   visible slots (4096 filled).
@@ -102,8 +102,8 @@ ATTEND = torch.ops.kvcache.attend.default
 
 def make_cache(b, capacity, dtype, seed=0, head_dim=HEAD_DIM):
     g = torch.Generator().manual_seed(seed)
-    keys = torch.randn(b, KV_HEADS, capacity, head_dim, generator=g).to(dtype)
-    values = torch.randn(b, KV_HEADS, capacity, head_dim, generator=g).to(dtype)
+    keys = torch.randn(b, KV_HEADS, capacity, head_dim, generator=g, dtype=dtype)
+    values = torch.randn(b, KV_HEADS, capacity, head_dim, generator=g, dtype=dtype)
     return keys, values
 
 
@@ -180,7 +180,8 @@ def decode_methods(filled, capacity, dtype, args=None, peers=True, batch=1, head
     }
     if peers:
         fns["SDPA prefix, enable_gqa"] = lambda: sdpa_prefix_gqa(q, keys, values, filled)
-        fns["masked SDPA, whole buffer"] = lambda: grouped_attention(q, keys, values, positions)
+        if (batch, head_dim) == (1, HEAD_DIM):  # not a peer: issue 9's rows only (slow at the grid's sizes)
+            fns["masked SDPA, whole buffer"] = lambda: grouped_attention(q, keys, values, positions)
         if args is not None and args.flex:
             f = flex_peer(q, keys, values, filled)
             if f is not None:
@@ -224,10 +225,10 @@ def add_limits(r: Dict, row: Dict, name: str, kv_bytes: int) -> None:
         row["vs_best"] = t / best
 
 
-def measure(fns: Dict, args, threads: int, scale: float = 1.0) -> Dict:
-    """Wall time (common.measure_many) and, at 1 thread, CPU time (cpu_us)."""
+def measure(fns: Dict, args, threads: int, scale: float = 1.0, cpu: bool = True) -> Dict:
+    """Wall time (common.measure_many) and, at 1 thread with `cpu`, CPU time (cpu_us)."""
     res = measure_many(fns, torch.device("cpu"), args.min_time * scale, args.rounds)
-    cpu = cpu_times(fns, args.min_time * scale, args.rounds) if threads == 1 else {}
+    cpu = cpu_times(fns, args.min_time * scale, args.rounds) if threads == 1 and cpu else {}
     for k, m in res.items():
         m["cpu_us"] = cpu.get(k)
     return res
@@ -252,7 +253,8 @@ def case_decode(args, threads):
                 for cap in caps:
                     for name, fn in decode_methods(filled, cap, dtype, args, batch=batch, head_dim=head_dim).items():
                         fns[(cap, name)] = fn
-                res = measure(fns, args, threads, len(caps))
+                # CPU times only where issue 9's targets read them (the default shape).
+                res = measure(fns, args, threads, len(caps), cpu=(batch, head_dim) == (1, HEAD_DIM))
                 out.extend(decode_rows(res, caps, threads, dtype_name, batch, head_dim, filled))
                 del fns, res  # free this shape's caches before the next one is made
     return out
@@ -268,11 +270,13 @@ def decode_rows(res, caps, threads, dtype_name, batch, head_dim, filled):
                 continue
             row = dict(case="decode", threads=threads, dtype=dtype_name, batch=batch,
                        head_dim=head_dim, filled=filled, capacity=cap, method=name, **m,
-                       vs_prefix_sdpa=ratio(r, name, "SDPA prefix view"),
-                       masked_over_this=ratio(r, "masked SDPA, whole buffer", name))
+                       vs_prefix_sdpa=ratio(r, name, "SDPA prefix view"))
+            masked = "masked SDPA, whole buffer" in r
+            if masked:
+                row["masked_over_this"] = ratio(r, "masked SDPA, whole buffer", name)
             if name == "kvcache attend":
                 add_limits(r, row, name, nbytes)
-            if threads == 1:
+            if m["cpu_us"] is not None and masked:
                 row["cpu_vs_prefix_sdpa"] = ratio(r, name, "SDPA prefix view", "cpu_us")
                 row["cpu_masked_over_this"] = ratio(r, "masked SDPA, whole buffer", name, "cpu_us")
             out.append(row)
@@ -284,18 +288,24 @@ def chunk_mask(seq: int, filled: int) -> torch.Tensor:
     return torch.arange(filled)[None, :] <= (torch.arange(seq)[:, None] + filled - seq)
 
 
-def gemm_rate(dtype) -> float:
-    """The machine's GEMM rate for `dtype` inputs at the current thread count, GFLOP/s: the faster
-    of torch.mm (1024 x 1024 x 1024) in `dtype` and in float32 (a CPU without native bf16
-    arithmetic runs torch's bf16 mm far below its float32 rate, and attend widens bf16 to float32:
-    the float32 rate is what the machine can do)."""
-    n = 1024
-    rates = []
+GEMM_N = 1024
+
+
+def gemm_refs(dtype) -> Dict:
+    """The machine's GEMM, timed beside each chunk row (same rounds, so the rate drifts with the
+    row's): torch.mm (1024 x 1024 x 1024) in `dtype` and in float32. The row's rate is the faster
+    of the two (a CPU without native bf16 arithmetic runs torch's bf16 mm far below its float32
+    rate, and attend widens bf16 to float32: the float32 rate is what the machine can do)."""
+    fns = {}
     for dt in {dtype, torch.float32}:
-        a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
-        m = measure_many({"mm": lambda: torch.mm(a, b)}, torch.device("cpu"), 0.3, 3)["mm"]
-        rates.append(2 * n**3 / m["median_us"] / 1e3)
-    return max(rates)
+        a, b = torch.randn(GEMM_N, GEMM_N).to(dt), torch.randn(GEMM_N, GEMM_N).to(dt)
+        fns[f"GEMM reference ({dt})"] = lambda a=a, b=b: torch.mm(a, b)
+    return fns
+
+
+def gemm_rate(res: Dict) -> float:
+    """GFLOP/s of the fastest GEMM reference in one measured set."""
+    return max(2 * GEMM_N**3 / m["median_us"] / 1e3 for k, m in res.items() if k.startswith("GEMM reference"))
 
 
 def case_chunk(args, threads):
@@ -307,7 +317,6 @@ def case_chunk(args, threads):
     out = []
     for dtype_name in args.dtypes:
         dtype = DTYPES[dtype_name]
-        rate = gemm_rate(dtype)
         for (batch, head_dim), seq, filled in itertools.product(shapes(args), seqs, filleds):
             keys, values = make_cache(batch, filled, dtype, head_dim=head_dim)
             q = torch.randn(batch, HEADS, seq, head_dim).to(dtype)
@@ -325,10 +334,14 @@ def case_chunk(args, threads):
             e = executorch_peer(q, keys, values, filled)
             if e is not None:
                 fns["ExecuTorch custom_sdpa"] = e
-            res = measure(fns, args, threads)
+            fns.update(gemm_refs(dtype))
+            res = measure(fns, args, threads, cpu=False)
+            rate = gemm_rate(res)
             visible = sum(filled - seq + i + 1 for i in range(seq))
             flops = 4.0 * batch * HEADS * head_dim * visible  # Q.K and P.V, 2 flops a multiply-add
             for name, m in res.items():
+                if name.startswith("GEMM reference"):
+                    continue
                 row = dict(case="chunk", threads=threads, dtype=dtype_name, batch=batch, head_dim=head_dim,
                            seq=seq, filled=filled, method=name, **m, GFLOP_s=flops / m["median_us"] / 1e3,
                            gemm_GFLOP_s=rate)
@@ -640,6 +653,33 @@ def issue22_targets(rows: List[dict], threads: int) -> List[dict]:
     return out
 
 
+def grid_table(rows: List[dict], threads: int) -> List[dict]:
+    """Issue 22's grid at `threads`, one line per (dtype, seq, batch, head_dim) and one column per
+    filled length: attend's time over the best peer's, with its streaming-read fraction (decode,
+    where the K/V bytes exceed L2) or GEMM-rate fraction (seq 128) in brackets. Decode rows at the
+    smallest capacity measured for their filled length."""
+    l2 = l2_bytes()
+    cells: Dict[tuple, Dict[int, str]] = {}
+    seen = set()
+    for r in rows:
+        if r["threads"] != threads or r.get("method") != "kvcache attend" or "vs_best" not in r:
+            continue
+        seq = r.get("seq", 1)
+        key = (r["dtype"], seq, r["batch"], r["head_dim"])
+        if (key, r["filled"]) in seen:  # decode: a larger capacity of the same filled length
+            continue
+        seen.add((key, r["filled"]))
+        frac = ""
+        if seq == 1 and "bw_frac" in r and r["kv_MB"] * 1e6 > l2:
+            frac = f" (bw {r['bw_frac']:.2f})"
+        elif seq == 128:
+            frac = f" (gemm {r['gemm_frac']:.2f})"
+        cells.setdefault(key, {})[r["filled"]] = f"{r['vs_best']:.2f}{frac}"
+    filleds = sorted({f for c in cells.values() for f in c})
+    return [dict(dtype=k[0], seq=k[1], batch=k[2], head_dim=k[3],
+                 **{f"filled {f}": c.get(f, "") for f in filleds}) for k, c in cells.items()]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     env = environment(torch.device("cpu"))
@@ -666,6 +706,10 @@ def main(argv=None) -> int:
         tg = issue22_targets(rows, t)
         if tg:
             print_table(f"targets (issue 22), {t} thread(s)", tg, ["target", "goal", "measured", "met"])
+        grid = grid_table(rows, t)
+        if grid:
+            print_table(f"issue 22's grid, {t} thread(s): attend / best peer (bars: <= 0.9; bw >= 0.8 "
+                        f"where the K/V bytes exceed L2; gemm >= 0.6 at seq 128)", grid, list(grid[0]))
     write_json(args.json, env, args, rows)
     return 0
 
