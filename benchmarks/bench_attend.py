@@ -695,7 +695,8 @@ def main(argv=None) -> int:
                 with num_threads(t) as actual:
                     r = fn(args, actual)
                 rows.extend(r)
-                print_table(f"{title}, {actual} thread(s)", r, cols)
+                if r:  # crossover has no rows at 1 thread
+                    print_table(f"{title}, {actual} thread(s)", r, cols)
     for t in sorted({r["threads"] for r in rows}):
         cols = ["target", "goal", "measured", "met"] + (["cpu_time", "met_cpu"] if t == 1 else [])
         if not targets(rows, t):
