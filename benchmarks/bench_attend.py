@@ -97,6 +97,7 @@ from kvcache.models.decoder import grouped_attention  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+DEFAULT_SHAPE = (1, HEAD_DIM)  # (batch, head_dim) of issue 9's rows: capacity sweep, masked SDPA, CPU times
 ATTEND = torch.ops.kvcache.attend.default
 
 
@@ -180,7 +181,7 @@ def decode_methods(filled, capacity, dtype, args=None, peers=True, batch=1, head
     }
     if peers:
         fns["SDPA prefix, enable_gqa"] = lambda: sdpa_prefix_gqa(q, keys, values, filled)
-        if (batch, head_dim) == (1, HEAD_DIM):  # not a peer: issue 9's rows only (slow at the grid's sizes)
+        if (batch, head_dim) == DEFAULT_SHAPE:  # not a peer: issue 9's rows only (slow at the grid's sizes)
             fns["masked SDPA, whole buffer"] = lambda: grouped_attention(q, keys, values, positions)
         if args is not None and args.flex:
             f = flex_peer(q, keys, values, filled)
@@ -201,7 +202,7 @@ def kv_bytes(batch, filled, head_dim, dtype) -> int:
 def shapes(args):
     """The (batch, head_dim) pairs of --batches x --head-dims, the default pair (1, 128) first."""
     out = [(b, d) for b in args.batches for d in args.head_dims]
-    return sorted(out, key=lambda bd: bd != (1, HEAD_DIM))
+    return sorted(out, key=lambda bd: bd != DEFAULT_SHAPE)
 
 
 PEERS = ("SDPA prefix view", "SDPA prefix, enable_gqa", "flex_attention (compiled)", "ExecuTorch custom_sdpa")
@@ -247,14 +248,14 @@ def case_decode(args, threads):
         dtype = DTYPES[dtype_name]
         for batch, head_dim in shapes(args):
             for filled, caps in filled_caps.items():
-                if (batch, head_dim) != (1, HEAD_DIM):
+                if (batch, head_dim) != DEFAULT_SHAPE:
                     caps = caps[:1]  # the capacity sweep (issue 9's targets) only for the default shape
                 fns = {}
                 for cap in caps:
                     for name, fn in decode_methods(filled, cap, dtype, args, batch=batch, head_dim=head_dim).items():
                         fns[(cap, name)] = fn
                 # CPU times only where issue 9's targets read them (the default shape).
-                res = measure(fns, args, threads, len(caps), cpu=(batch, head_dim) == (1, HEAD_DIM))
+                res = measure(fns, args, threads, len(caps), cpu=(batch, head_dim) == DEFAULT_SHAPE)
                 out.extend(decode_rows(res, caps, threads, dtype_name, batch, head_dim, filled))
                 del fns, res  # free this shape's caches before the next one is made
     return out
@@ -561,7 +562,7 @@ def targets(rows: List[dict], threads: int) -> List[dict]:
     for dt in sorted({r["dtype"] for r in rows}):
         dec = {(r["filled"], r["capacity"]): r for r in rows
                if r["case"] == "decode" and r["dtype"] == dt and r["method"] == "kvcache attend"
-               and (r["batch"], r["head_dim"]) == (1, HEAD_DIM)}
+               and (r["batch"], r["head_dim"]) == DEFAULT_SHAPE}
         for filled, base in ((256, 512), (4096, 4096)):
             if (filled, base) in dec and (filled, 32768) in dec:
                 a, b = dec[(filled, 32768)], dec[(filled, base)]
@@ -630,6 +631,17 @@ def busy_core(on: bool):
             proc.wait()
 
 
+def limit_fraction(r: dict, l2: int) -> Optional[tuple]:
+    """The hardware-limit bar issue 22 sets for attend row `r`, as (name, measured, goal): the
+    streaming-read fraction for decode where the K/V bytes exceed L2, the GEMM-rate fraction at
+    seq 128; None elsewhere."""
+    if r["case"] == "decode" and "bw_frac" in r and r["kv_MB"] * 1e6 > l2:
+        return ("bw", r["bw_frac"], 0.8)
+    if r["case"] == "chunk" and r["seq"] == 128:
+        return ("gemm", r["gemm_frac"], 0.6)
+    return None
+
+
 def issue22_targets(rows: List[dict], threads: int) -> List[dict]:
     """Issue 22's bars, from the rows measured at `threads`."""
     out = []
@@ -638,18 +650,18 @@ def issue22_targets(rows: List[dict], threads: int) -> List[dict]:
         if r["threads"] != threads or r.get("method") != "kvcache attend" or "vs_best" not in r:
             continue
         name = f"{r['dtype']} {r['case']} " + (f"seq {r['seq']} " if "seq" in r else "") + f"filled {r['filled']}"
-        if "batch" in r and (r["batch"], r["head_dim"]) != (1, HEAD_DIM):
+        if "batch" in r and (r["batch"], r["head_dim"]) != DEFAULT_SHAPE:
             name += f" batch {r['batch']} head_dim {r['head_dim']}"
         if r["case"] == "decode":
             name += f" cap {r['capacity']}"
         out.append(dict(target=f"{name}: attend / best peer ({r['best_peer']})", goal="<= 0.9",
                         measured=r["vs_best"], met="yes" if r["vs_best"] <= 0.9 else "NO"))
-        if r["case"] == "decode" and r["kv_MB"] * 1e6 > l2 and "bw_frac" in r:
-            out.append(dict(target=f"{name}: streaming-read fraction", goal=">= 0.8", measured=r["bw_frac"],
-                            met="yes" if r["bw_frac"] >= 0.8 else "NO"))
-        if r["case"] == "chunk" and r["seq"] == 128:
-            out.append(dict(target=f"{name}: GEMM-rate fraction", goal=">= 0.6", measured=r["gemm_frac"],
-                            met="yes" if r["gemm_frac"] >= 0.6 else "NO"))
+        lim = limit_fraction(r, l2)
+        if lim is not None:
+            kind, value, goal = lim
+            label = "streaming-read fraction" if kind == "bw" else "GEMM-rate fraction"
+            out.append(dict(target=f"{name}: {label}", goal=f">= {goal}", measured=value,
+                            met="yes" if value >= goal else "NO"))
     return out
 
 
@@ -669,11 +681,8 @@ def grid_table(rows: List[dict], threads: int) -> List[dict]:
         if (key, r["filled"]) in seen:  # decode: a larger capacity of the same filled length
             continue
         seen.add((key, r["filled"]))
-        frac = ""
-        if seq == 1 and "bw_frac" in r and r["kv_MB"] * 1e6 > l2:
-            frac = f" (bw {r['bw_frac']:.2f})"
-        elif seq == 128:
-            frac = f" (gemm {r['gemm_frac']:.2f})"
+        lim = limit_fraction(r, l2)
+        frac = f" ({lim[0]} {lim[1]:.2f})" if lim is not None else ""
         cells.setdefault(key, {})[r["filled"]] = f"{r['vs_best']:.2f}{frac}"
     filleds = sorted({f for c in cells.values() for f in c})
     return [dict(dtype=k[0], seq=k[1], batch=k[2], head_dim=k[3],
