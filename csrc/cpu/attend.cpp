@@ -5,8 +5,9 @@
 // queries see (attend_kernel.h); rows long enough to leave threads idle are
 // split along their slots, and the splits merged at the end. The inner
 // loops exist three times, for the baseline ISA, for AVX2/FMA/F16C and for
-// AVX-512 F/BW/VL (chosen at run time: the build passes no -march flag;
-// KVCACHE_ATTEND_ISA caps the choice), see attend_vec.h.
+// AVX-512 F/BW/VL, and the bf16 chunk loops a fourth time for AVX512-BF16
+// (chosen at run time: the build passes no -march flag; KVCACHE_ATTEND_ISA
+// caps the choice), see attend_vec.h.
 //
 // Threads: a call goes parallel only when its estimated work is above the
 // cost of waking a thread (AttendCpuTuning::parallel_work, measured with
@@ -71,6 +72,16 @@ using Vec = VecAvx512;
 #include "attend_kernel.h"  // NOLINT(build/include): instantiated per ISA
 }  // namespace isa_avx512
 #pragma GCC pop_options
+
+// Only bf16 tasks are instantiated here (attend_typed); the bf16 chunk
+// blocks take the pair loops, the rest is VecAvx512's code.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")
+namespace isa_avx512bf16 {
+using Vec = VecAvx512Bf16;
+#include "attend_kernel.h"  // NOLINT(build/include): instantiated per ISA
+}  // namespace isa_avx512bf16
+#pragma GCC pop_options
 #endif
 
 namespace {
@@ -127,11 +138,11 @@ std::atomic<int64_t>& min_split_setting() {
   return v;
 }
 
-enum class Isa { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
+enum class Isa { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
-// The best path this CPU runs, capped by KVCACHE_ATTEND_ISA (generic, avx2
-// or avx512; read once): tests force each path the machine has. A cap above
-// what the CPU has is the CPU's best.
+// The best path this CPU runs, capped by KVCACHE_ATTEND_ISA (generic, avx2,
+// avx512 or avx512bf16; read once): tests force each path the machine has.
+// A cap above what the CPU has is the CPU's best.
 Isa isa() {
 #if KVCACHE_ATTEND_X86
   static const Isa chosen = [] {
@@ -143,12 +154,14 @@ Isa isa() {
       if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
           __builtin_cpu_supports("avx512vl")) {
         best = Isa::kAvx512;
+        if (__builtin_cpu_supports("avx512bf16")) best = Isa::kAvx512Bf16;
       }
     }
-    Isa cap = Isa::kAvx512;
+    Isa cap = Isa::kAvx512Bf16;
     const char* env = std::getenv("KVCACHE_ATTEND_ISA");
     if (env != nullptr && std::strcmp(env, "generic") == 0) cap = Isa::kGeneric;
     if (env != nullptr && std::strcmp(env, "avx2") == 0) cap = Isa::kAvx2;
+    if (env != nullptr && std::strcmp(env, "avx512") == 0) cap = Isa::kAvx512;
     return std::min(best, cap);
   }();
   return chosen;
@@ -159,13 +172,14 @@ Isa isa() {
 
 const char* isa_name(Isa i) {
   switch (i) {
+    case Isa::kAvx512Bf16: return "avx512bf16";
     case Isa::kAvx512: return "avx512";
     case Isa::kAvx2: return "avx2";
     default: return "generic";
   }
 }
 
-int isa_lanes(Isa i) { return i == Isa::kAvx512 ? 16 : 8; }
+int isa_lanes(Isa i) { return i >= Isa::kAvx512 ? 16 : 8; }
 
 // Visible slots [lo, hi) of the query at position i of row b (lo == hi:
 // none). A ring's queries may see any slot: [0, max_len), read by position.
@@ -318,6 +332,9 @@ void attend_typed(const AttendParams& p) {
   plan.gemm = !plan.ring && !plan.i8dot && p.head_dim % 8 == 0 &&
               plan.max_rows() >= plan.gemm_rows;
   if (plan.gemm) plan.tile = std::clamp<int64_t>(kGemmTileRows / plan.group, 1, p.seq);
+  plan.bf16dot = path == Isa::kAvx512Bf16 && std::is_same_v<T, c10::BFloat16> &&
+                 std::is_same_v<TKV, c10::BFloat16> && plan.gemm && plan.fast_k && plan.fast_v &&
+                 p.k_stride[2] % 2 == 0;
   if (p.softcap > 0.f) {
     plan.qscale = p.scale / p.softcap;
     plan.cap = p.softcap * kLog2e;
@@ -328,8 +345,11 @@ void attend_typed(const AttendParams& p) {
 #if KVCACHE_ATTEND_X86
   if (path == Isa::kAvx2) {
     task_fn = plan.ring ? &isa_avx2::run_task_ring<T, TKV> : &isa_avx2::run_task<T, TKV>;
-  } else if (path == Isa::kAvx512) {
+  } else if (path >= Isa::kAvx512) {
     task_fn = plan.ring ? &isa_avx512::run_task_ring<T, TKV> : &isa_avx512::run_task<T, TKV>;
+    if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<TKV, c10::BFloat16>) {
+      if (plan.bf16dot) task_fn = &isa_avx512bf16::run_task<T, TKV>;
+    }
   }
 #endif
 

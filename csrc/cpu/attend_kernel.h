@@ -457,6 +457,30 @@ void widen_rows(const T* src, int64_t row_stride, int64_t elem_stride, int64_t n
 // enough independent chains; 24 (12 x 2) of 32 zmm registers on AVX-512.
 constexpr int kGemmRows = Vec::kAcc >= 16 ? 12 : 6;
 
+// kt[c * kBlock + j] = src[j * lds + c] for j < n and c < cols (a multiple
+// of 8), and 0 for n <= j < n_pad: a block's rows transposed by 8 x 8 tiles
+// of 32-bit words (floats, or pairs of bf16 for pack_kt_pairs: the tiles
+// move bits, unchanged). Nothing past row n is read.
+inline void transpose_rows(const float* src, int64_t lds, int64_t n, int64_t n_pad, int64_t cols,
+                           float* kt) {
+  const int64_t full = n / 8 * 8;
+  for (int64_t j = 0; j < full; j += 8) {
+    for (int64_t c = 0; c < cols; c += 8) Vec::transpose8x8(src + j * lds + c, lds, kt + c * kBlock + j, kBlock);
+  }
+  if (full < n) {  // the last rows, through a zero-padded tile
+    float tail[8 * 8];
+    for (int64_t c = 0; c < cols; c += 8) {
+      std::fill(tail, tail + 64, 0.f);
+      for (int64_t j = full; j < n; ++j) std::memcpy(tail + (j - full) * 8, src + j * lds + c, 8 * sizeof(float));
+      Vec::transpose8x8(tail, 8, kt + c * kBlock + full, kBlock);
+    }
+  }
+  const int64_t zero_from = (n + 7) / 8 * 8;
+  if (zero_from < n_pad) {
+    for (int64_t c = 0; c < cols; ++c) std::fill(kt + c * kBlock + zero_from, kt + c * kBlock + n_pad, 0.f);
+  }
+}
+
 // kt[d * kBlock + j] = key j's element d as float32, for j < n and d < dim
 // (dim a multiple of 8), and 0 for n <= j < n_pad (n_pad <= kBlock: the
 // score tiles' padded columns). k: n rows ldk apart, element stride es. kb:
@@ -464,40 +488,16 @@ constexpr int kGemmRows = Vec::kAcc >= 16 ? 12 : 6;
 template <typename TK>
 void pack_kt(const TK* k, int64_t ldk, int64_t es, int64_t n, int64_t n_pad, int64_t dim,
              int64_t dim_pad, float* kb, float* kt) {
-  const int64_t full = n / 8 * 8;
-  const float* src;
-  int64_t lds;
   if constexpr (std::is_same_v<TK, float>) {
     if (es == 1) {
-      src = k;
-      lds = ldk;
-    } else {
-      pack_rows(k, ldk, es, n, dim, dim_pad, kb);
-      src = kb;
-      lds = dim_pad;
+      transpose_rows(k, ldk, n, n_pad, dim, kt);
+      return;
     }
+    pack_rows(k, ldk, es, n, dim, dim_pad, kb);
   } else {
     widen_rows(k, ldk, es, n, dim, dim_pad, kb);
-    src = kb;
-    lds = dim_pad;
   }
-  for (int64_t j = 0; j < full; j += 8) {
-    for (int64_t d = 0; d < dim; d += 8) Vec::transpose8x8(src + j * lds + d, lds, kt + d * kBlock + j, kBlock);
-  }
-  if (full < n) {  // the last rows, through a zero-padded tile: nothing past slot n is read
-    float tail[8 * 8];
-    for (int64_t d = 0; d < dim; d += 8) {
-      std::fill(tail, tail + 64, 0.f);
-      for (int64_t j = full; j < n; ++j) {
-        for (int64_t e = 0; e < 8; ++e) tail[(j - full) * 8 + e] = src[j * lds + d + e];
-      }
-      Vec::transpose8x8(tail, 8, kt + d * kBlock + full, kBlock);
-    }
-  }
-  const int64_t zero_from = (n + 7) / 8 * 8;
-  if (zero_from < n_pad) {
-    for (int64_t d = 0; d < dim; ++d) std::fill(kt + d * kBlock + zero_from, kt + d * kBlock + n_pad, 0.f);
-  }
+  transpose_rows(kb, dim_pad, n, n_pad, dim, kt);
 }
 
 // S[r, :W L] = sum_d q[r, d] kt[d, :W L] for R rows (L = Vec::kLanes).
@@ -600,6 +600,130 @@ void pv_block_gemm(const float* p, int64_t ldp, const TV* v, int64_t ldv, int64_
   pf.issue(pf.total());  // whatever the tiles left
 }
 
+// ---- Chunks on bf16 pairs (Vec::kBf16Dot, bf16 queries and cache) -----
+//
+// With AVX512-BF16 a bf16 chunk's products take vdpbf16ps, two bf16
+// products per float32 lane and instruction, twice the work of a float32
+// FMA: S = Q K^T over pairs of head_dim elements, O += P V over pairs of
+// slots. The queries stay the bf16 the caller gave (sc.qh, unscaled; the
+// scores are scaled in float32 as they are stored), the keys are packed as
+// 32-bit words of their rows (kt2[p * kBlock + j] = key j's elements 2p and
+// 2p + 1), the weights are rounded to bf16 once per block (sc.pb; the
+// softmax sums keep the float32 weights) and the values are packed as pairs
+// of slots (vt2[i * dim + d] = values 2i and 2i + 1 at element d). The tile
+// walk and the prefetch pacing are the float32 loops' (for_gemm_tiles).
+
+// kt2 as above for j < n, 0 for n <= j < n_pad. k: n rows ldk apart (ldk
+// even, unit element stride), dim a multiple of 16.
+inline void pack_kt_pairs(const c10::BFloat16* k, int64_t ldk, int64_t n, int64_t n_pad, int64_t dim,
+                          uint32_t* kt2) {
+  transpose_rows(reinterpret_cast<const float*>(k), ldk / 2, n, n_pad, dim / 2,
+                 reinterpret_cast<float*>(kt2));
+}
+
+// S[r, :W L] = qscale * sum_p q[r, 2p:2p+2] . kt2[p, :W L] for R rows.
+template <typename Dot, int R, int W>
+inline void qk_tile_pairs(const c10::BFloat16* q, int64_t ldq, const uint32_t* kt2, int64_t dw,
+                          float qscale, float* s, int64_t lds) {
+  using V = typename Vec::V;
+  V acc[R * W];
+#pragma GCC unroll 32
+  for (int x = 0; x < R * W; ++x) acc[x] = Vec::zero();
+  for (int64_t w = 0; w < dw; ++w) {
+    typename Dot::W k0 = Dot::load(kt2 + w * kBlock);
+    typename Dot::W k1 = k0;
+    if constexpr (W == 2) k1 = Dot::load(kt2 + w * kBlock + Vec::kLanes);
+    Dot::pin(k0);
+    if constexpr (W == 2) Dot::pin(k1);
+#pragma GCC unroll 32
+    for (int r = 0; r < R; ++r) {
+      const typename Dot::W qb = Dot::set1(q + r * ldq + 2 * w);
+      acc[r * W] = Dot::dot(acc[r * W], qb, k0);
+      if constexpr (W == 2) acc[r * W + 1] = Dot::dot(acc[r * W + 1], qb, k1);
+    }
+  }
+  const V sc = Vec::set1(qscale);
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int w = 0; w < W; ++w) Vec::store(s + r * lds + w * Vec::kLanes, Vec::mul(acc[r * W + w], sc));
+  }
+}
+
+// O[r, :W L] = alpha[r] O[r, :W L] + sum_i p[r, 2i:2i+2] . vt2[i, :W L] for
+// R rows over n2 slot pairs.
+template <typename Dot, int R, int W>
+inline void pv_tile_pairs(const c10::BFloat16* p, int64_t ldp, const uint32_t* vt2, int64_t ldv,
+                          int64_t n2, float* o, int64_t ldo, const float* alpha) {
+  using V = typename Vec::V;
+  V acc[R * W];
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r) {
+    const V a = Vec::set1(alpha[r]);
+#pragma GCC unroll 4
+    for (int w = 0; w < W; ++w) acc[r * W + w] = Vec::mul(Vec::load(o + r * ldo + w * Vec::kLanes), a);
+  }
+  for (int64_t i = 0; i < n2; ++i) {
+    typename Dot::W v0 = Dot::load(vt2 + i * ldv);
+    typename Dot::W v1 = v0;
+    if constexpr (W == 2) v1 = Dot::load(vt2 + i * ldv + Vec::kLanes);
+    Dot::pin(v0);
+    if constexpr (W == 2) Dot::pin(v1);
+#pragma GCC unroll 32
+    for (int r = 0; r < R; ++r) {
+      const typename Dot::W pb = Dot::set1(p + r * ldp + 2 * i);
+      acc[r * W] = Dot::dot(acc[r * W], pb, v0);
+      if constexpr (W == 2) acc[r * W + 1] = Dot::dot(acc[r * W + 1], pb, v1);
+    }
+  }
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int w = 0; w < W; ++w) Vec::store(o + r * ldo + w * Vec::kLanes, acc[r * W + w]);
+  }
+}
+
+// S[r, :n8] = qscale q[r] . k[:n8] for `rows` bf16 query rows (dim apart)
+// over a chunk block's n keys (ldk even, unit element stride), packed into
+// kt2 (kBlock x dim / 2 words of scratch); columns past n are 0.
+template <typename Dot>
+void qk_pairs(const c10::BFloat16* q, const c10::BFloat16* k, int64_t ldk, int64_t n, int64_t n8,
+              int64_t rows, int64_t dim, float qscale, float* S, uint32_t* kt2, Trickle& pf) {
+  pack_kt_pairs(k, ldk, n, n8, dim, kt2);
+  for_gemm_tiles(rows, n8, pf, [&](auto wc, auto rc, int64_t r, int64_t c) {
+    qk_tile_pairs<Dot, decltype(rc)::value, decltype(wc)::value>(q + r * dim, dim, kt2 + c, dim / 2,
+                                                                 qscale, S + r * kBlock + c, kBlock);
+  });
+}
+
+// O = alpha O + P V for `rows` rows of weights P (S, kBlock apart, n8
+// columns; rounded into pb, rows x kBlock bf16) over a chunk block's n
+// values (unit element stride), packed as slot pairs into vt2 (kBlock / 2 x
+// dim words).
+template <typename Dot>
+void pv_pairs(const float* S, const c10::BFloat16* v, int64_t ldv, int64_t n, int64_t n8, int64_t rows,
+              int64_t dim, float* O, int64_t ldo, const float* alpha, c10::BFloat16* pb, uint32_t* vt2,
+              Trickle& pf) {
+  // Weights past n are exactly 0 (softmax_row), so an odd block's last
+  // pair needs no mask; its value pair's second half is 0.
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < n8; j += Vec::kLanes) Dot::round16(S + r * kBlock + j, pb + r * kBlock + j);
+  }
+  const int64_t n2 = (n + 1) / 2;
+  for (int64_t i = 0; i < n2; ++i) {
+    const c10::BFloat16* a = v + 2 * i * ldv;
+    const c10::BFloat16* b = 2 * i + 1 < n ? a + ldv : nullptr;
+    for (int64_t d = 0; d < dim; d += Vec::kLanes) {
+      Dot::interleave16(a + d, b == nullptr ? nullptr : b + d, vt2 + i * dim + d);
+    }
+  }
+  for_gemm_tiles(rows, dim, pf, [&](auto wc, auto rc, int64_t r, int64_t d) {
+    pv_tile_pairs<Dot, decltype(rc)::value, decltype(wc)::value>(pb + r * kBlock, kBlock, vt2 + d, dim, n2,
+                                                                 O + r * ldo + d, ldo, alpha + r);
+  });
+  pf.issue(pf.total());  // whatever the tiles left
+}
+
 // Online-softmax step of one row over a block of n slots, of which [a, e)
 // are visible to it. s holds the row's scores (n8 = n rounded up to
 // Vec::kLanes columns; the columns past n are scratch) and gets the weights.
@@ -660,6 +784,12 @@ inline void scale_columns(float* S, int64_t ra, int64_t rb, int64_t n,
 template <typename TKV>
 constexpr bool kI8Dot = std::is_same_v<TKV, int8_t> && Vec::kI8Dot;
 
+// Whether a task of queries T over a cache TKV can take the bf16 pair loops
+// (block_pairs) on this ISA, when Plan::bf16dot also holds.
+template <typename T, typename TKV>
+constexpr bool kBf16Pairs =
+    Vec::kBf16Dot && std::is_same_v<T, c10::BFloat16> && std::is_same_v<TKV, c10::BFloat16>;
+
 // A task's start, for linear and ring tasks alike: its queries (the G heads
 // of KV head t.kvh at positions [t.i0, t.i1)) scaled into sc.q (and rounded
 // into sc.q16 for the integer loops), and the online-softmax state (output,
@@ -680,6 +810,17 @@ inline void start_task(const Plan& plan, const Task& t, Scratch& sc) {
   }
   if constexpr (kI8Dot<TKV>) {
     if (plan.i8dot) round_queries_i16<typename Vec::I8>(plan, rows, sc);
+  }
+  if constexpr (kBf16Pairs<T, TKV>) {
+    if (plan.bf16dot) {  // the bf16 queries as given, for the chunk blocks (block_pairs)
+      for (int64_t ti = 0; ti < nt; ++ti) {
+        for (int64_t g = 0; g < G; ++g) {
+          const T* src = qbase + (t.kvh * G + g) * p.q_stride[1] + (t.i0 + ti) * p.q_stride[2];
+          c10::BFloat16* dst = sc.qh.data() + (ti * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = src[d * p.q_stride[3]];
+        }
+      }
+    }
   }
   std::fill(sc.o.data(), sc.o.data() + rows * Dp, 0.f);
   std::fill(sc.m.data(), sc.m.data() + rows, -std::numeric_limits<float>::infinity());
@@ -809,7 +950,16 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
     // values) shared by all its rows.
     const bool gemm = plan.gemm && rb - ra >= plan.gemm_rows;
     Trickle pf(ahead);  // gemm: the next block's lines, over this block's tiles
-    if (gemm) {
+    // bf16 chunks on AVX512-BF16: both products on bf16 pairs.
+    const bool pairs = kBf16Pairs<T, TKV> && gemm && plan.bf16dot;
+    if (pairs) {
+      if constexpr (kBf16Pairs<T, TKV>) {
+        pf.spread_over(gemm_tiles(rb - ra, n8) + gemm_tiles(rb - ra, D));
+        qk_pairs<typename Vec::Bf16>(sc.qh.data() + ra * D, kbase + c0 * p.k_stride[2], p.k_stride[2], n,
+                                     n8, rb - ra, D, plan.qscale, S + ra * kBlock,
+                                     reinterpret_cast<uint32_t*>(sc.kt.data()), pf);
+      }
+    } else if (gemm) {
       pf.spread_over(gemm_tiles(rb - ra, n8) + gemm_tiles(rb - ra, Dp));
       pack_kt(kbase + c0 * p.k_stride[2], p.k_stride[2], p.k_stride[3], n, n8, D, Dp,
               sc.kb.data(), sc.kt.data());
@@ -829,7 +979,13 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
       softmax_row(S + r * kBlock, a, e, n8, plan.cap, m[r], l[r], alpha[r]);
     }
     if constexpr (kQuantized) scale_columns(S, ra, rb, n, vscale + c0 * p.vs_stride[2], p.vs_stride[2]);
-    if (gemm) {
+    if (pairs) {
+      if constexpr (kBf16Pairs<T, TKV>) {
+        pv_pairs<typename Vec::Bf16>(S + ra * kBlock, vbase + c0 * p.v_stride[2], p.v_stride[2], n, n8,
+                                     rb - ra, D, O + ra * Dp, Dp, alpha + ra, sc.pb.data(),
+                                     reinterpret_cast<uint32_t*>(sc.vb.data()), pf);
+      }
+    } else if (gemm) {
       if (std::is_same_v<TKV, float> && plan.fast_v) {
         pv_block_gemm(S + ra * kBlock, kBlock, vbase + c0 * p.v_stride[2], p.v_stride[2], n,
                       O + ra * Dp, Dp, alpha + ra, rb - ra, D, pf);

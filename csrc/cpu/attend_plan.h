@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <vector>
 
+#include <c10/util/BFloat16.h>
+
 #include "../ops/attend.h"
 
 namespace kvcache {
@@ -54,6 +56,11 @@ struct Plan {
   // 8 x 8 tiles); not with the integer loops, not for rings.
   bool gemm = false;
   int64_t gemm_rows = kDefaultGemmRows;  // the setting (kvcache/attend_cpu.h)
+  // Chunks of bf16 queries over a bf16 cache on AVX512-BF16 (the avx512bf16
+  // path): the gemm blocks take bf16 pair dot products (attend_kernel.h,
+  // "Chunks on bf16 pairs"). Keys and values read in place, key rows an
+  // even number of elements apart.
+  bool bf16dot = false;
   // Scores in log2 units: q is scaled by scale * log2(e); with a softcap,
   // by scale / softcap, and the score becomes cap * tanh(q.k) with
   // cap = softcap * log2(e).
@@ -90,6 +97,9 @@ struct Scratch {
   // scales; a block's weights rounded to int16 (rows x (kBlock + 2)) and theirs.
   std::vector<int16_t> q16, wq;
   std::vector<float> qs, ws;
+  // Plan::bf16dot: the bf16 query rows (rows x dim) and a block's weights
+  // rounded to bf16 (rows x kBlock).
+  std::vector<c10::BFloat16> qh, pb;
 
   explicit Scratch(const Plan& plan) {
     const int64_t rows = plan.max_rows();
@@ -109,6 +119,10 @@ struct Scratch {
       qs.assign(rows, 0.f);
       wq.assign(rows * (kBlock + 2), 0);
       ws.assign(rows, 0.f);
+    }
+    if (plan.bf16dot) {
+      qh.assign(rows * plan.dim, c10::BFloat16(0.f));
+      pb.assign(rows * kBlock, c10::BFloat16(0.f));
     }
     m.assign(rows, 0.f);
     l.assign(rows, 0.f);

@@ -21,7 +21,9 @@
 //   (dst[c * ldd + r] = src[r * lds + c] for an 8 x 8 float tile: the chunk
 //   kernels' key packing, whatever kLanes is); and kI8Dot / I8, whether int8
 //   caches with 16-bit queries take integer dot products, and their
-//   primitives (I8DotAvx2, for AVX2 and AVX-512; void for the portable flavour).
+//   primitives (I8DotAvx2, for AVX2 and AVX-512; void for the portable flavour);
+//   kBf16Dot / Bf16, whether bf16 chunks take bf16 pair dot products and
+//   their primitives (Bf16DotAvx512, for VecAvx512Bf16 only; void elsewhere).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -62,6 +64,8 @@ struct VecGeneric {
   static constexpr int kAcc = 8;
   static constexpr bool kI8Dot = false;  // int8 caches take the float loops
   using I8 = void;
+  static constexpr bool kBf16Dot = false;  // bf16 chunks widen to float32
+  using Bf16 = void;
 
   static inline V zero() { return set1(0.f); }
   static inline V set1(float x) { return V{x, x, x, x, x, x, x, x}; }
@@ -277,6 +281,8 @@ struct VecAvx2 {
   static constexpr int kAcc = 8;  // of 16 ymm registers
   static constexpr bool kI8Dot = true;  // int8 scores by I8DotAvx2
   using I8 = I8DotAvx2;
+  static constexpr bool kBf16Dot = false;
+  using Bf16 = void;
 
   static inline V zero() { return _mm256_setzero_ps(); }
   static inline V set1(float x) { return _mm256_set1_ps(x); }
@@ -416,6 +422,8 @@ struct VecAvx512 {
   // runs and the tests check on AVX2 machines).
   static constexpr bool kI8Dot = true;
   using I8 = I8DotAvx2;
+  static constexpr bool kBf16Dot = false;  // VecAvx512Bf16 has them
+  using Bf16 = void;
 
   static inline V zero() { return _mm512_setzero_ps(); }
   static inline V set1(float x) { return _mm512_set1_ps(x); }
@@ -504,6 +512,57 @@ struct VecAvx512 {
     return _mm512_castsi512_ps(
         _mm512_or_si512(_mm512_castps_si512(r), _mm512_and_si512(sign, xi)));
   }
+};
+
+#pragma GCC pop_options
+
+// AVX512-BF16 (vdpbf16ps: two bf16 products summed into each float32 lane):
+// the primitives of the bf16 chunk loops (attend_kernel.h, "Chunks on bf16
+// pairs"). A W holds 16 pairs, one 32-bit word each, the lower-addressed
+// bf16 in the low half (the order of a bf16 row in memory).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")
+
+struct Bf16DotAvx512 {
+  using V = __m512;
+  using W = __m512i;
+  static inline W load(const uint32_t* p) { return _mm512_loadu_si512(p); }
+  // The pair at p (two consecutive bf16) in every lane.
+  static inline W set1(const c10::BFloat16* p) {
+    int32_t w;
+    std::memcpy(&w, p, sizeof(w));
+    return _mm512_set1_epi32(w);
+  }
+  static inline void pin(W& a) { asm("" : "+v"(a)); }
+  // acc[i] + a[2i] b[2i] + a[2i+1] b[2i+1] per lane (the products are exact
+  // in float32; bf16 denormals count as 0).
+  static inline V dot(V acc, W a, W b) {
+    return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+  }
+  // dst[0, 16) = src[0, 16) rounded to bf16 (to nearest even; NaN stays NaN).
+  static inline void round16(const float* src, c10::BFloat16* dst) {
+    const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(src));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), reinterpret_cast<__m256i>(h));
+  }
+  // dst[d] = (a[d], b[d]) for d < 16: two slots' values as 16 pairs; b
+  // nullptr: (a[d], 0).
+  static inline void interleave16(const c10::BFloat16* a, const c10::BFloat16* b, uint32_t* dst) {
+    W w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
+    if (b != nullptr) {
+      const W hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+      w = _mm512_or_si512(w, _mm512_slli_epi32(hi, 16));
+    }
+    _mm512_storeu_si512(dst, w);
+  }
+};
+
+// VecAvx512 with the bf16 pair loops for bf16 chunks (Bf16DotAvx512): the
+// kernel path on CPUs with AVX512-BF16 (attend.cpp instantiates only the
+// bf16-cache tasks for it; every other dtype runs VecAvx512).
+struct VecAvx512Bf16 : VecAvx512 {
+  static constexpr const char* kName = "avx512bf16";
+  static constexpr bool kBf16Dot = true;
+  using Bf16 = Bf16DotAvx512;
 };
 
 #pragma GCC pop_options

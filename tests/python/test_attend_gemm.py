@@ -86,11 +86,24 @@ def test_default_threshold():
     check(2, 8, 2, 5, 64, 300, [300, 100], torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [16, 17, 23, 24, 31, 33, 63, 64, 65, 71, 100, 129])
-def test_slot_counts_and_block_tails(n):
+def test_slot_counts_and_block_tails(n, dtype):
     """Blocks of 64 slots; a block's last 1-7 slots go through a zero-padded 8 x 8 tile and its
-    columns through one vector or two."""
-    check(1, 4, 1, 16, 64, 160, [n])
+    columns through one vector or two; on the bf16 pair loops an odd block ends in a half pair."""
+    check(1, 4, 1, 16, 64, 160, [n], dtype)
+
+
+def test_bf16_key_rows_an_odd_number_of_elements_apart():
+    """The bf16 pair loops read a key row's pairs as 32-bit words, so rows an odd number of
+    elements apart (a view of a wider buffer) take the widening loops: still correct."""
+    q = random_tensor((1, 8, 20, 64), torch.float32, seed=4).mul(0.7).bfloat16()
+    buf = random_tensor((1, 2, 90, 65), torch.float32, seed=5).bfloat16()
+    keys, values = buf[..., :64], buf[..., 1:]
+    assert keys.stride(2) == 65 and keys.stride(3) == 1
+    lengths = torch.tensor([90], dtype=torch.int32)
+    out = ops.attend(q, keys, values, lengths)
+    assert_close(out, reference(q, keys.double(), values.double(), lengths))
 
 
 @pytest.mark.parametrize("d", [8, 16, 24, 40, 64, 72, 128, 136, 256, 12, 100])
@@ -184,3 +197,39 @@ def test_gemm_loops_forced_on_and_off(tmp_path, isa):
         assert proc.returncode == 0, proc.stderr[-3000:]
         results[rows] = torch.load(path)
     assert any(not torch.equal(a, b) for a, b in zip(results["1"], results["100000"]))
+
+
+PAIRS_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {here!r})
+import kvcache
+import test_attend_gemm as t
+assert kvcache._C.attend_cpu_isa() == {isa!r}, kvcache._C.attend_cpu_isa()
+bf = torch.bfloat16
+outs = [t.check(1, 32, 8, 40, 128, 300, [300], bf),                      # GQA 4, 160 rows
+        t.check(2, 8, 2, 33, 64, 200, [200, 61], bf, softcap=20.0),      # ragged, odd blocks
+        t.check(1, 4, 1, 40, 256, 95, [95], bf, window=30, kv_start=[2]),
+        t.check(1, 8, 2, 16, 16, 77, [77], bf, sink_logits=torch.linspace(-1, 2, 8))]
+torch.save(outs, sys.argv[1])
+"""
+
+
+def test_bf16_pair_loops_against_the_widening_loops(tmp_path):
+    """On AVX512-BF16 a bf16 chunk's blocks take the bf16 pair dot products (attend_kernel.h,
+    "Chunks on bf16 pairs"; KVCACHE_ATTEND_ISA=avx512bf16), KVCACHE_ATTEND_ISA=avx512 the float32
+    loops over widened keys and values: both within the bf16 tolerance of the float64 reference
+    (each check), and with other bits, so the pair loops really ran."""
+    flags = set()
+    with open("/proc/cpuinfo") as f:
+        flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags:
+        pytest.skip("this CPU lacks AVX512-BF16")
+    results = {}
+    for isa in ("avx512bf16", "avx512"):
+        env = dict(os.environ, KVCACHE_ATTEND_ISA=isa, KVCACHE_ATTEND_GEMM_ROWS="1")
+        path = tmp_path / f"{isa}.pt"
+        proc = subprocess.run([sys.executable, "-c", PAIRS_SCRIPT.format(here=HERE, isa=isa), str(path)],
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[isa] = torch.load(path)
+    assert all(not torch.equal(a, b) for a, b in zip(results["avx512bf16"], results["avx512"]))

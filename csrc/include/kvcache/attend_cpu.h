@@ -36,9 +36,11 @@ KVCACHE_API AttendCpuTuning attend_cpu_tuning();
 /// for a negative parallel_work, or a min_split or gemm_rows below 1.
 KVCACHE_API void set_attend_cpu_tuning(const AttendCpuTuning& tuning);
 
-/// The instruction-set path the kernel takes on this machine: "avx512",
-/// "avx2" or "generic". KVCACHE_ATTEND_ISA=generic|avx2|avx512 (read once)
-/// caps the choice at that path (tests force each path the CPU has).
+/// The instruction-set path the kernel takes on this machine: "avx512bf16"
+/// (the avx512 path, with bf16 dot products for bf16 chunks), "avx512",
+/// "avx2" or "generic". KVCACHE_ATTEND_ISA=generic|avx2|avx512|avx512bf16
+/// (read once) caps the choice at that path (tests force each path the CPU
+/// has).
 KVCACHE_API std::string attend_cpu_isa();
 
 }  // namespace kvcache
