@@ -161,11 +161,13 @@ template <typename Dot, int R, int C>
 __attribute__((always_inline)) inline void qk_tile_i8(const int16_t* q, int64_t ldq,
                                                       const int8_t* k, int64_t ldk, int64_t dim,
                                                       const float* qsv, float* s, int64_t lds) {
-  static_assert(R * C <= 8, "one hsum8 per tile");
+  // Accumulators in groups of eight, one hsum8 a group; those past R * C
+  // stay zero.
+  constexpr int N = R * C, NP = (N + 7) / 8 * 8;
   using VI = typename Dot::VI;
-  VI acc[8];
-#pragma GCC unroll 8
-  for (int x = 0; x < 8; ++x) acc[x] = Dot::zero();
+  VI acc[NP];
+#pragma GCC unroll 32
+  for (int x = 0; x < NP; ++x) acc[x] = Dot::zero();
   for (int64_t d = 0; d < dim; d += Dot::kLanes) {
     VI kv[C];
 #pragma GCC unroll 8
@@ -178,12 +180,18 @@ __attribute__((always_inline)) inline void qk_tile_i8(const int16_t* q, int64_t 
       for (int c = 0; c < C; ++c) acc[r * C + c] = Dot::dot_acc(acc[r * C + c], qv, kv[c]);
     }
   }
-  float out[8];
-  Dot::hsum8(acc, qsv, out);  // accumulators past R * C stay zero
+#pragma GCC unroll 4
+  for (int g = 0; g < NP; g += 8) {
+    if constexpr (C == 8) {  // a group is one row's eight scores
+      Dot::hsum8(acc + g, qsv + g, s + (g / 8) * lds);
+    } else {
+      float out[8];
+      Dot::hsum8(acc + g, qsv + g, out);
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) s[r * lds + c] = out[r * C + c];
+      for (int x = 0; x < 8; ++x) {
+        if (g + x < N) s[(g + x) / C * lds + (g + x) % C] = out[x];
+      }
+    }
   }
 }
 
@@ -191,9 +199,13 @@ template <typename Dot, int R>
 inline void qk_rows_i8(const int16_t* q, int64_t ldq, const int8_t* k, int64_t ldk,
                        int64_t dim, const float* qs, int64_t n, float* s, int64_t lds,
                        const Ahead* ahead) {
-  // R * C accumulators and C widened keys in 16 registers.
-  constexpr int C = R == 1 ? 8 : R == 2 ? 4 : 2;
-  float qsv[8] = {}, qs1[8] = {};
+  // R * C accumulators, C widened keys and R query vectors in the ISA's
+  // registers: 8 accumulators of 16 registers (AVX2), 24 of 32 (AVX-512,
+  // where a tile of 3 rows (a GQA group of 3) x 8 slots amortises the query
+  // loads and the horizontal sums over 8 slots instead of 2).
+  constexpr int kBudget = Vec::kAcc >= 16 ? 24 : 8;
+  constexpr int C = std::min(8, kBudget / R);
+  float qsv[32] = {}, qs1[8] = {};
   for (int r = 0; r < R; ++r) {
     for (int c = 0; c < C; ++c) qsv[r * C + c] = qs[r];
     qs1[r] = qs[r];
@@ -238,42 +250,70 @@ void qk_block_i8(const int16_t* q, const float* qs, const int8_t* k, int64_t ldk
 // row's largest weight of the block / kQMax (2^-16 of it at most, finer than
 // the bf16 rounding of weights a bf16 GEMM makes). Slots go in pairs, one
 // vpmaddwd per pair, row and 8 columns; the int32 sums are exact (at most
-// kBlock / 2 pairs of 2 * 32767 * 128). R rows x 16 columns a tile.
-template <typename Dot, int R>
+// kBlock / 2 pairs of 2 * 32767 * 128). R rows x 16 W columns a tile: the
+// weight pairs broadcast once per pair serve W column blocks.
+template <typename Dot, int R, int W>
 __attribute__((always_inline)) inline void pv_tile_i8(const int16_t* wq, int64_t ldw,
                                                       const int8_t* v, int64_t ldv, int64_t n,
                                                       float* o, int64_t ldo, const float* alpha,
                                                       const float* ws) {
   using VI = typename Dot::VI;
-  VI acc[2 * R];
-#pragma GCC unroll 8
-  for (int x = 0; x < 2 * R; ++x) acc[x] = Dot::zero();
+  VI acc[2 * R * W];
+#pragma GCC unroll 32
+  for (int x = 0; x < 2 * R * W; ++x) acc[x] = Dot::zero();
   int64_t j = 0;
   for (; j + 2 <= n; j += 2) {
-    VI lo, hi;
-    Dot::load_v_pair(v + j * ldv, v + (j + 1) * ldv, lo, hi);
+    VI w[R];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const VI w = Dot::load_w_pair(wq + r * ldw + j);
-      acc[2 * r] = Dot::dot_acc(acc[2 * r], lo, w);
-      acc[2 * r + 1] = Dot::dot_acc(acc[2 * r + 1], hi, w);
+    for (int r = 0; r < R; ++r) w[r] = Dot::load_w_pair(wq + r * ldw + j);
+#pragma GCC unroll 8
+    for (int b = 0; b < W; ++b) {
+      VI lo, hi;
+      Dot::load_v_pair(v + j * ldv + 16 * b, v + (j + 1) * ldv + 16 * b, lo, hi);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        acc[(r * W + b) * 2] = Dot::dot_acc(acc[(r * W + b) * 2], lo, w[r]);
+        acc[(r * W + b) * 2 + 1] = Dot::dot_acc(acc[(r * W + b) * 2 + 1], hi, w[r]);
+      }
     }
   }
   if (j < n) {  // wq[r, n] is 0 (pv_block_i8)
-    VI lo, hi;
-    Dot::load_v_one(v + j * ldv, lo, hi);
+    VI w[R];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const VI w = Dot::load_w_pair(wq + r * ldw + j);
-      acc[2 * r] = Dot::dot_acc(acc[2 * r], lo, w);
-      acc[2 * r + 1] = Dot::dot_acc(acc[2 * r + 1], hi, w);
+    for (int r = 0; r < R; ++r) w[r] = Dot::load_w_pair(wq + r * ldw + j);
+#pragma GCC unroll 8
+    for (int b = 0; b < W; ++b) {
+      VI lo, hi;
+      Dot::load_v_one(v + j * ldv + 16 * b, lo, hi);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        acc[(r * W + b) * 2] = Dot::dot_acc(acc[(r * W + b) * 2], lo, w[r]);
+        acc[(r * W + b) * 2 + 1] = Dot::dot_acc(acc[(r * W + b) * 2 + 1], hi, w[r]);
+      }
     }
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    Dot::finish(o + r * ldo, acc[2 * r], alpha[r], ws[r]);
-    Dot::finish(o + r * ldo + 8, acc[2 * r + 1], alpha[r], ws[r]);
+#pragma GCC unroll 8
+    for (int b = 0; b < W; ++b) {
+      Dot::finish(o + r * ldo + 16 * b, acc[(r * W + b) * 2], alpha[r], ws[r]);
+      Dot::finish(o + r * ldo + 16 * b + 8, acc[(r * W + b) * 2 + 1], alpha[r], ws[r]);
+    }
   }
+}
+
+// The columns [0, dim) of rows [0, R) by tiles of W column blocks, then
+// single blocks for the rest.
+template <typename Dot, int R, int W>
+inline void pv_rows_i8(const int16_t* wq, int64_t ldw, const int8_t* v, int64_t ldv, int64_t n,
+                       float* o, int64_t ldo, const float* alpha, const float* ws, int64_t dim) {
+  int64_t d = 0;
+  if constexpr (W > 1) {
+    for (; d + 16 * W <= dim; d += 16 * W) {
+      pv_tile_i8<Dot, R, W>(wq, ldw, v + d, ldv, n, o + d, ldo, alpha, ws);
+    }
+  }
+  for (; d < dim; d += 16) pv_tile_i8<Dot, R, 1>(wq, ldw, v + d, ldv, n, o + d, ldo, alpha, ws);
 }
 
 // Rows [0, rows) of the block: P (the weights, value scales applied) to
@@ -299,17 +339,20 @@ bool pv_block_i8(const float* p, int64_t ldp, const int8_t* v, int64_t ldv, int6
     }
     w[n] = 0;
   }
-  for (int64_t d = 0; d < dim; d += 16) {
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) {
-      pv_tile_i8<Dot, 4>(wq + r * ldw, ldw, v + d, ldv, n, o + r * ldo + d, ldo, alpha + r, ws + r);
-    }
-    switch (rows - r) {
-      case 3: pv_tile_i8<Dot, 3>(wq + r * ldw, ldw, v + d, ldv, n, o + r * ldo + d, ldo, alpha + r, ws + r); break;
-      case 2: pv_tile_i8<Dot, 2>(wq + r * ldw, ldw, v + d, ldv, n, o + r * ldo + d, ldo, alpha + r, ws + r); break;
-      case 1: pv_tile_i8<Dot, 1>(wq + r * ldw, ldw, v + d, ldv, n, o + r * ldo + d, ldo, alpha + r, ws + r); break;
-      default: break;
-    }
+  // 2 R W accumulators, R weight pairs and one value pair in the ISA's
+  // registers: 8 + 4 + 2 of 16 (AVX2: one column block), 24 + 4 + 2 of 32
+  // (AVX-512: up to 4 column blocks, head_dim 64 in one pass).
+  constexpr bool kWide = Vec::kAcc >= 16;
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    pv_rows_i8<Dot, 4, kWide ? 3 : 1>(wq + r * ldw, ldw, v, ldv, n, o + r * ldo, ldo, alpha + r,
+                                      ws + r, dim);
+  }
+  switch (rows - r) {
+    case 3: pv_rows_i8<Dot, 3, kWide ? 4 : 1>(wq + r * ldw, ldw, v, ldv, n, o + r * ldo, ldo, alpha + r, ws + r, dim); break;
+    case 2: pv_rows_i8<Dot, 2, kWide ? 4 : 1>(wq + r * ldw, ldw, v, ldv, n, o + r * ldo, ldo, alpha + r, ws + r, dim); break;
+    case 1: pv_rows_i8<Dot, 1, kWide ? 4 : 1>(wq + r * ldw, ldw, v, ldv, n, o + r * ldo, ldo, alpha + r, ws + r, dim); break;
+    default: break;
   }
   return true;
 }
