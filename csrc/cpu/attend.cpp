@@ -73,11 +73,10 @@ using Vec = VecAvx512;
 }  // namespace isa_avx512
 #pragma GCC pop_options
 
-// Only bf16-cache and int8-cache tasks are instantiated here (attend_typed):
-// the bf16 chunk blocks take the pair loops, int8 blocks the VNNI integer
-// loops, the rest is VecAvx512's code.
+// Only bf16 tasks are instantiated here (attend_typed); the bf16 chunk
+// blocks take the pair loops, the rest is VecAvx512's code.
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")
 namespace isa_avx512bf16 {
 using Vec = VecAvx512Bf16;
 #include "attend_kernel.h"  // NOLINT(build/include): instantiated per ISA
@@ -155,9 +154,7 @@ Isa isa() {
       if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
           __builtin_cpu_supports("avx512vl")) {
         best = Isa::kAvx512;
-        if (__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni")) {
-          best = Isa::kAvx512Bf16;
-        }
+        if (__builtin_cpu_supports("avx512bf16")) best = Isa::kAvx512Bf16;
       }
     }
     Isa cap = Isa::kAvx512Bf16;
@@ -352,12 +349,6 @@ void attend_typed(const AttendParams& p) {
     task_fn = plan.ring ? &isa_avx512::run_task_ring<T, TKV> : &isa_avx512::run_task<T, TKV>;
     if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<TKV, c10::BFloat16>) {
       if (plan.bf16dot) task_fn = &isa_avx512bf16::run_task<T, TKV>;
-    }
-    if constexpr (std::is_same_v<TKV, int8_t> && !std::is_same_v<T, float>) {
-      if (plan.i8dot && path == Isa::kAvx512Bf16) {
-        task_fn = plan.ring ? &isa_avx512bf16::run_task_ring<T, TKV>
-                            : &isa_avx512bf16::run_task<T, TKV>;
-      }
     }
   }
 #endif

@@ -185,11 +185,15 @@ struct I8DotAvx2 {
   static inline VI load_q(const int16_t* p) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   }
-  static inline void pin(VI& a) { asm("" : "+x"(a)); }
   // acc + pairwise products of q and k, summed in pairs into int32 lanes.
   static inline VI dot_acc(VI acc, VI q, VI k) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(q, k));
   }
+  // Ends an accumulator's update here: without it GCC hoists all of a
+  // tile's vpmaddwd above their vpaddd, each product needs a register of
+  // its own and a 3 x 8 tile's accumulators spill to the stack. ("v": any
+  // vector register the target has, ymm16-31 too on AVX-512.)
+  static inline void pin(VI& a) { asm("" : "+v"(a)); }
   // Values, two slots at a time: the int16 pairs (a[d], b[d]) of the rows
   // a and b at columns [0, 8) into lo and [8, 16) into hi, so that one
   // vpmaddwd with a broadcast weight pair (wa, wb) gives
@@ -521,18 +525,7 @@ struct VecAvx512 {
 // pairs"). A W holds 16 pairs, one 32-bit word each, the lower-addressed
 // bf16 in the low half (the order of a bf16 row in memory).
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,avx2,fma,f16c")
-
-// I8DotAvx2 with AVX512-VNNI's vpdpwssd (256-bit, AVX512VL): the pairwise
-// int16 products and their int32 accumulation in one instruction instead
-// of vpmaddwd + vpaddd. Same sums bit for bit (wrapping int32 adds, which
-// never wrap here: see I8DotAvx2's bounds). int8 decode is bound by its
-// arithmetic, not by memory, so every uop saved counts (measured on Zen 4:
-// no gain above the noise alone; the wider AVX-512 tiles of
-// attend_kernel.h gave ~20%).
-struct I8DotVnni : I8DotAvx2 {
-  static inline VI dot_acc(VI acc, VI q, VI k) { return _mm256_dpwssd_epi32(acc, q, k); }
-};
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")
 
 struct Bf16DotAvx512 {
   using V = __m512;
@@ -567,16 +560,13 @@ struct Bf16DotAvx512 {
   }
 };
 
-// VecAvx512 with the bf16 pair loops for bf16 chunks (Bf16DotAvx512) and
-// the VNNI int8 loops (I8DotVnni): the kernel path on CPUs with AVX512-BF16
-// and AVX512-VNNI (every CPU with the first has the second). attend.cpp
-// instantiates only the bf16-cache and int8-cache tasks for it; every other
-// cache runs VecAvx512.
+// VecAvx512 with the bf16 pair loops for bf16 chunks (Bf16DotAvx512): the
+// kernel path on CPUs with AVX512-BF16 (attend.cpp instantiates only the
+// bf16-cache tasks for it; every other dtype runs VecAvx512).
 struct VecAvx512Bf16 : VecAvx512 {
   static constexpr const char* kName = "avx512bf16";
   static constexpr bool kBf16Dot = true;
   using Bf16 = Bf16DotAvx512;
-  using I8 = I8DotVnni;
 };
 
 #pragma GCC pop_options

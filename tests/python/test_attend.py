@@ -354,8 +354,7 @@ def _cpu_has_avx2() -> bool:
 # What each forced path needs of the CPU (KVCACHE_ATTEND_ISA caps the kernel's choice).
 ISA_FLAGS = {"generic": set(), "avx2": {"avx2", "fma", "f16c"},
              "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"},
-             "avx512bf16": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
-                            "avx512_vnni"}}
+             "avx512bf16": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}}
 
 ISA_SCRIPT = """
 import sys, torch
@@ -378,8 +377,8 @@ t.check(1, 8, 1, 1, 128, 300, [256], torch.bfloat16)
 import test_attend_ring_runs as rr
 rr.run(1, 8, 2, 4, 128, 200, 4, [1000], torch.float32)
 rr.run(1, 8, 2, 1, 128, 200, 4, [1000], torch.bfloat16)
-# int8 caches with 16-bit queries: each path's integer loops (VNNI on avx512bf16, the wide
-# AVX-512 tiles: 1-4 query rows, decode and chunks, a tail block) or, on generic, the float loops.
+# int8 caches with 16-bit queries: each path's integer loops (AVX2 tiles, the wide AVX-512
+# tiles: 1-4 query rows, decode and chunks, a tail block) or, on generic, the float loops.
 import test_attend_int8_dot as i8
 i8.check(1, 9, 3, 1, 64, 300, [300], torch.bfloat16)
 i8.check(2, 8, 2, 3, 128, 200, [200, 77], torch.float16)

@@ -37,8 +37,7 @@ KVCACHE_API AttendCpuTuning attend_cpu_tuning();
 KVCACHE_API void set_attend_cpu_tuning(const AttendCpuTuning& tuning);
 
 /// The instruction-set path the kernel takes on this machine: "avx512bf16"
-/// (the avx512 path, with bf16 dot products for bf16 chunks and VNNI for
-/// int8 caches; needs AVX512-BF16 and AVX512-VNNI), "avx512",
+/// (the avx512 path, with bf16 dot products for bf16 chunks), "avx512",
 /// "avx2" or "generic". KVCACHE_ATTEND_ISA=generic|avx2|avx512|avx512bf16
 /// (read once) caps the choice at that path (tests force each path the CPU
 /// has).
