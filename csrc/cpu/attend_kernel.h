@@ -317,15 +317,16 @@ __attribute__((always_inline)) inline void pv_tile_i8(const int16_t* wq, int64_t
   VI acc[2 * R * W];
 #pragma GCC unroll 32
   for (int x = 0; x < 2 * R * W; ++x) acc[x] = Dot::zero();
-  int64_t j = 0;
-  for (; j + 2 <= n; j += 2) {
+  // One step: the R rows' weight pairs at column j times the W value blocks
+  // that load(b, lo, hi) widens (a slot pair, or the last slot and zero).
+  auto step = [&](int64_t j, auto load) __attribute__((always_inline)) {
     VI w[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) w[r] = Dot::load_w_pair(wq + r * ldw + j);
 #pragma GCC unroll 8
     for (int b = 0; b < W; ++b) {
       VI lo, hi;
-      Dot::load_v_pair(v + j * ldv + 16 * b, v + (j + 1) * ldv + 16 * b, lo, hi);
+      load(b, lo, hi);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         acc[(r * W + b) * 2] = Dot::dot_acc(acc[(r * W + b) * 2], lo, w[r]);
@@ -336,21 +337,17 @@ __attribute__((always_inline)) inline void pv_tile_i8(const int16_t* wq, int64_t
         }
       }
     }
+  };
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    step(j, [&](int b, VI& lo, VI& hi) __attribute__((always_inline)) {
+      Dot::load_v_pair(v + j * ldv + 16 * b, v + (j + 1) * ldv + 16 * b, lo, hi);
+    });
   }
   if (j < n) {  // wq[r, n] is 0 (pv_block_i8)
-    VI w[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) w[r] = Dot::load_w_pair(wq + r * ldw + j);
-#pragma GCC unroll 8
-    for (int b = 0; b < W; ++b) {
-      VI lo, hi;
+    step(j, [&](int b, VI& lo, VI& hi) __attribute__((always_inline)) {
       Dot::load_v_one(v + j * ldv + 16 * b, lo, hi);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        acc[(r * W + b) * 2] = Dot::dot_acc(acc[(r * W + b) * 2], lo, w[r]);
-        acc[(r * W + b) * 2 + 1] = Dot::dot_acc(acc[(r * W + b) * 2 + 1], hi, w[r]);
-      }
-    }
+    });
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
