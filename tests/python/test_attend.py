@@ -255,6 +255,23 @@ def test_cache_layouts(kv_layout, dtype, device):
     check(2, 8, 2, 5, 64, 150, [150, 80], dtype, kv_layout=kv_layout, kv_start=[2, 0], window=100, device=device)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kv_layout", ["contiguous", "transposed", "slice", "fused", "mixed"])
+def test_streamed_tasks_over_every_layout(kv_layout, dtype, threads):
+    """Tasks whose keys and values exceed 512 KiB (the CPU kernel's streaming path: values
+    asked for beside the keys, the weight pass by chunks of 8 slots) on every in-place layout,
+    with lengths, kv_start and windows that end blocks and chunks off their edges."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        # 1 KiB of fp32 keys and values a slot at head_dim 128: 1100 slots are 1.1 MB a task.
+        check(2, 8, 2, 1, 128, 1100, [1100, 1093], dtype, kv_layout=kv_layout, kv_start=[0, 5])
+        check(1, 8, 2, 3, 128, 1100, [1037], dtype, kv_layout=kv_layout, kv_start=[61], window=1001)
+    finally:
+        torch.set_num_threads(saved)
+
+
 @pytest.mark.parametrize("q_layout", ["transposed", "strided"])
 def test_query_layouts(q_layout, device):
     check(2, 8, 4, 6, 128, 100, [100, 50], q_layout=q_layout, kv_layout="transposed", device=device)
