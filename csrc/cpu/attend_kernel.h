@@ -138,6 +138,19 @@ inline int64_t pv_chunk_slots(int64_t row_bytes) {
   return std::clamp<int64_t>(kPvChunkBytes / std::max<int64_t>(1, row_bytes), 8, kBlock);
 }
 
+// The row geometry of a task's in-place key and value streams over
+// `visible` slots (a linear task's or a ring's), set once per task; each
+// block adds its own v_cur and next-block rows.
+template <typename TKV>
+inline Ahead stream_geometry(const AttendParams& p, int64_t dim, int64_t visible) {
+  Ahead a;
+  a.ldk = p.k_stride[2] * int64_t(sizeof(TKV));
+  a.ldv = p.v_stride[2] * int64_t(sizeof(TKV));
+  a.row_bytes = dim * int64_t(sizeof(TKV));
+  if (visible * 2 * a.row_bytes > kStreamChunkBytes) a.pv_chunk = pv_chunk_slots(a.row_bytes);
+  return a;
+}
+
 // Rows of the stream ahead of the pass's current ones: the block's own rows
 // (`cur`, n of them) and after them the next block's (a.k / a.v).
 inline int64_t stream_distance(const Ahead& a) {
@@ -1108,6 +1121,7 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
                   p.v_stride[2] * int64_t(sizeof(TKV)), 0, std::min(kBlock, task_hi - task_lo),
                   D * int64_t(sizeof(TKV)));
   }
+  const Ahead streams = stream_geometry<TKV>(p, D, task_hi - task_lo);
   for (int64_t c0 = task_lo; c0 < task_hi; c0 += kBlock) {
     const int64_t cend = std::min(c0 + kBlock, task_hi);
     // Positions that see part of [c0, cend): a contiguous run [ta, tb).
@@ -1130,11 +1144,8 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
     // their score tiles; the GEMM loops spread them over their tiles).
     Ahead ahead;
     if (plan.fast_k && plan.fast_v) {
-      ahead.ldk = p.k_stride[2] * int64_t(sizeof(TKV));
-      ahead.ldv = p.v_stride[2] * int64_t(sizeof(TKV));
-      ahead.row_bytes = D * int64_t(sizeof(TKV));
+      ahead = streams;
       ahead.v_cur = reinterpret_cast<const char*>(vbase + c0 * p.v_stride[2]);
-      if ((task_hi - task_lo) * 2 * ahead.row_bytes > kStreamChunkBytes) ahead.pv_chunk = pv_chunk_slots(ahead.row_bytes);
       if (cend < task_hi) {
         ahead.k = reinterpret_cast<const char*>(kbase + cend * p.k_stride[2]);
         ahead.v = reinterpret_cast<const char*>(vbase + cend * p.v_stride[2]);
@@ -1300,17 +1311,15 @@ void run_task_ring(const Plan& plan, const Task& t, Scratch& sc) {
       }
     }
   };
+  const Ahead streams = stream_geometry<TKV>(p, D, n_sel);
   for (int64_t c0 = 0; c0 < n_sel; c0 += kBlock) {
     const int64_t n = std::min(kBlock, n_sel - c0);
     const int64_t n8 = (n + Vec::kLanes - 1) / Vec::kLanes * Vec::kLanes;
     const bool run = run_of(c0, n);
     Ahead ahead;  // the streams of a run read in place, and the next block's rows if a run
     if (run && plan.fast_k && plan.fast_v) {
-      ahead.ldk = p.k_stride[2] * int64_t(sizeof(TKV));
-      ahead.ldv = p.v_stride[2] * int64_t(sizeof(TKV));
-      ahead.row_bytes = D * int64_t(sizeof(TKV));
+      ahead = streams;
       ahead.v_cur = reinterpret_cast<const char*>(vbase + sc.sel[c0] * p.v_stride[2]);
-      if (n_sel * 2 * ahead.row_bytes > kStreamChunkBytes) ahead.pv_chunk = pv_chunk_slots(ahead.row_bytes);
       const int64_t c_next = c0 + n;
       if (c_next < n_sel) {
         const int64_t n_next = std::min(kBlock, n_sel - c_next);
