@@ -48,7 +48,15 @@ inline void qk_tile(const float* q, int64_t ldq, const TK* k, int64_t ldk,
       for (int c = 0; c < C; ++c) acc[r * C + c] = Vec::fma(qv, kv[c], acc[r * C + c]);
     }
   }
-  if constexpr (R * C == 8 && Vec::kLanes == 8) {
+  if constexpr (R * C == 16 && Vec::kLanes == 16) {
+    float out[16];
+    Vec::hsum16(acc, out);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) s[r * lds + c] = out[r * C + c];
+    }
+  } else if constexpr (R * C == 8 && Vec::kLanes == 8) {
     float out[8];
     Vec::hsum8(acc, out);
 #pragma GCC unroll 16

@@ -15,8 +15,8 @@
 //   Float8_e4m3fn*) (widening to float32; int8 and e4m3 are the quantized
 //   caches' elements, exact in float32), store(float*, V), add, sub, mul,
 //   fma(a, b, c) = a * b + c, max,
-//   reduce_add, reduce_max, hsum8(const V[8], float*) (out[k] = sum of the
-//   lanes of in[k]), exp2 (exact 0 below 2^-126, so a -inf score gives an
+//   reduce_add, reduce_max, hsum8(const V[8], float*) and hsum16(const V[16],
+//   float*) (out[k] = sum of the lanes of in[k]), exp2 (exact 0 below 2^-126, so a -inf score gives an
 //   exact 0 weight; NaN propagates), tanh, transpose8x8(src, lds, dst, ldd)
 //   (dst[c * ldd + r] = src[r * lds + c] for an 8 x 8 float tile: the chunk
 //   kernels' key packing, whatever kLanes is); and kI8Dot / I8, whether int8
@@ -119,6 +119,10 @@ struct VecGeneric {
   }
   static inline void hsum8(const V* in, float* out) {
     for (int k = 0; k < 8; ++k) out[k] = reduce_add(in[k]);
+  }
+  static inline void hsum16(const V* in, float* out) {
+    hsum8(in, out);
+    hsum8(in + 8, out + 8);
   }
   // As VecAvx2::exp2; round-to-nearest by adding and removing 1.5 * 2^23.
   static inline V exp2(V x) {
@@ -366,6 +370,10 @@ struct VecAvx2 {
     _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
                                         _mm256_permute2f128_ps(u0, u1, 0x31)));
   }
+  static inline void hsum16(const V* in, float* out) {
+    hsum8(in, out);
+    hsum8(in + 8, out + 8);
+  }
   // 2^x: x = n + f with n = round(x), |f| <= 1/2; 2^f by its degree-7
   // Taylor polynomial (relative error < 1e-8 before rounding), 2^n from the
   // exponent bits. Below -126 (and -inf) the result is exactly 0.
@@ -474,6 +482,35 @@ struct VecAvx512 {
   }
   static inline void hsum8(const V* in, float* out) {
     for (int k = 0; k < 8; ++k) out[k] = reduce_add(in[k]);
+  }
+  // Sixteen horizontal sums at once, by halving: each step adds the upper
+  // half of every vector's partial sums to its lower half and packs two
+  // vectors' halves into one (256-bit halves, then 128-bit quarters, then
+  // pairs and single lanes within each quarter): 30 shuffles and 15 adds
+  // where sixteen reduce_add calls take 16 x 8 dependent operations (the
+  // decode score tiles end in sixteen sums every 4 slots).
+  static inline void hsum16(const V* in, float* out) {
+    V c[8], d[4], e[2];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {  // c[i]: 8 partials of in[2i], then 8 of in[2i + 1]
+      c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(in[2 * i], in[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_shuffle_f32x4(in[2 * i], in[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {  // quarter k of d[i]: 4 partials of in[4i + k]
+      d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    }
+#pragma GCC unroll 2
+    for (int i = 0; i < 2; ++i) {  // quarter k of e[i]: 2 partials of in[8i + k], 2 of in[8i + 4 + k]
+      e[i] = _mm512_add_ps(_mm512_shuffle_ps(d[2 * i], d[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_shuffle_ps(d[2 * i], d[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    // Lane 4k + m of f: the sum of in[4m + k]; the permutation puts it at 4m + k.
+    const V f = _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_storeu_ps(out, _mm512_permutexvar_ps(idx, f));
   }
   // As VecAvx2::exp2: below -126 (and -inf) exactly 0, NaN propagates.
   static inline V exp2(V x) {
