@@ -5,7 +5,7 @@
 // queries see (attend_kernel.h); rows long enough to leave threads idle are
 // split along their slots, and the splits merged at the end. The inner
 // loops exist three times, for the baseline ISA, for AVX2/FMA/F16C and for
-// AVX-512 F/BW/VL, and the bf16 chunk loops a fourth time for AVX512-BF16
+// AVX-512 F/BW/VL, and the bf16 tasks a fourth time for AVX512-BF16
 // (chosen at run time: the build passes no -march flag; KVCACHE_ATTEND_ISA
 // caps the choice), see attend_vec.h.
 //
@@ -73,8 +73,9 @@ using Vec = VecAvx512;
 }  // namespace isa_avx512
 #pragma GCC pop_options
 
-// Only bf16 tasks are instantiated here (attend_typed); the bf16 chunk
-// blocks take the pair loops, the rest is VecAvx512's code.
+// Only bf16 tasks are instantiated here (attend_typed); their chunk blocks
+// take the pair loops, their other scores qk_tile_bf16 (head_dim a multiple
+// of 32), the rest is VecAvx512's code.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")
 namespace isa_avx512bf16 {
@@ -335,6 +336,8 @@ void attend_typed(const AttendParams& p) {
   plan.bf16dot = path == Isa::kAvx512Bf16 && std::is_same_v<T, c10::BFloat16> &&
                  std::is_same_v<TKV, c10::BFloat16> && plan.gemm && plan.fast_k && plan.fast_v &&
                  p.k_stride[2] % 2 == 0;
+  plan.bf16qk = path == Isa::kAvx512Bf16 && std::is_same_v<T, c10::BFloat16> &&
+                std::is_same_v<TKV, c10::BFloat16> && plan.fast_k && p.head_dim % 32 == 0;
   if (p.softcap > 0.f) {
     plan.qscale = p.scale / p.softcap;
     plan.cap = p.softcap * kLog2e;
@@ -348,7 +351,9 @@ void attend_typed(const AttendParams& p) {
   } else if (path >= Isa::kAvx512) {
     task_fn = plan.ring ? &isa_avx512::run_task_ring<T, TKV> : &isa_avx512::run_task<T, TKV>;
     if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<TKV, c10::BFloat16>) {
-      if (plan.bf16dot) task_fn = &isa_avx512bf16::run_task<T, TKV>;
+      if (plan.bf16dot || plan.bf16qk) {
+        task_fn = plan.ring ? &isa_avx512bf16::run_task_ring<T, TKV> : &isa_avx512bf16::run_task<T, TKV>;
+      }
     }
   }
 #endif

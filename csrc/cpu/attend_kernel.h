@@ -209,10 +209,64 @@ class Trickle {
   int64_t total_ = 0, done_ = 0, row_ = 0, off_ = 0, per_ = 0;
 };
 
+// Decode scores on bf16 pairs (Plan::bf16qk: bf16 queries over a bf16
+// cache on AVX512-BF16): S[r, c] = qscale * (q[r] . k[c]) with q the bf16
+// query rows as given and k bf16 keys read in place, 32 elements of both a
+// vdpbf16ps (Dot: Bf16DotAvx512), without widening either to float32:
+// half the multiply instructions of qk_tile on the widened keys, and none
+// of its conversions. The products are exact in float32, as the widened
+// ones are; only the scaling moves after the sum. dim: a multiple of 32.
+template <typename Dot, int R, int C>
+inline void qk_tile_bf16(const c10::BFloat16* q, int64_t ldq, const c10::BFloat16* k, int64_t ldk,
+                         int64_t dim, float qscale, float* s, int64_t lds) {
+  using V = typename Vec::V;
+  using W = typename Dot::W;
+  V acc[R * C];
+#pragma GCC unroll 16
+  for (int x = 0; x < R * C; ++x) acc[x] = Vec::zero();
+  for (int64_t d = 0; d < dim; d += 2 * Vec::kLanes) {
+    W kv[C];
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) kv[c] = Dot::load_row(k + c * ldk + d);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      W qv = Dot::load_row(q + r * ldq + d);
+      Dot::pin(qv);
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) acc[r * C + c] = Dot::dot(acc[r * C + c], qv, kv[c]);
+    }
+  }
+  float out[R * C];
+  if constexpr (R * C == 16) {
+    Vec::hsum16(acc, out);
+  } else {
+#pragma GCC unroll 16
+    for (int x = 0; x < R * C; ++x) out[x] = Vec::reduce_add(acc[x]);
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) s[r * lds + c] = out[r * C + c] * qscale;
+  }
+}
+
+// One score tile: float32 query rows (scaled) over keys of any float type
+// (qk_tile), or with Dot bf16 query rows (unscaled) over bf16 keys
+// (qk_tile_bf16).
+template <typename Dot, int R, int C, typename TQ, typename TK>
+inline void score_tile(const TQ* q, int64_t ldq, const TK* k, int64_t ldk, int64_t dim, float qscale,
+                       float* s, int64_t lds) {
+  if constexpr (std::is_void_v<Dot>) {
+    qk_tile<R, C>(q, ldq, k, ldk, dim, s, lds);
+  } else {
+    qk_tile_bf16<Dot, R, C>(q, ldq, k, ldk, dim, qscale, s, lds);
+  }
+}
+
 // R query rows against n slots; prefetches row c of `ahead` with slot c.
-template <int R, typename TK>
-inline void qk_rows(const float* q, int64_t ldq, const TK* k, int64_t ldk,
-                    int64_t dim, int64_t n, float* s, int64_t lds, const Ahead* ahead) {
+template <typename Dot, int R, typename TQ, typename TK>
+inline void qk_rows(const TQ* q, int64_t ldq, const TK* k, int64_t ldk, int64_t dim, int64_t n,
+                    float* s, int64_t lds, const Ahead* ahead, float qscale) {
   constexpr int C = R == 1 ? Vec::kAcc : R == 2 ? Vec::kAcc / 2 : Vec::kAcc / 4;
   // The key stream kStreamAhead bytes ahead of the tile, and this block's
   // values of the tile's slots (pv_block asks for them again, ahead of its
@@ -227,26 +281,27 @@ inline void qk_rows(const float* q, int64_t ldq, const TK* k, int64_t ldk,
                       ahead->row_bytes);
       if (ahead->v_cur != nullptr) prefetch_rows<2>(ahead->v_cur, ahead->ldv, c, c + C, ahead->row_bytes);
     }
-    qk_tile<R, C>(q, ldq, k + c * ldk, ldk, dim, s + c, lds);
+    score_tile<Dot, R, C>(q, ldq, k + c * ldk, ldk, dim, qscale, s + c, lds);
   }
-  for (; c < n; ++c) qk_tile<R, 1>(q, ldq, k + c * ldk, ldk, dim, s + c, lds);
+  for (; c < n; ++c) score_tile<Dot, R, 1>(q, ldq, k + c * ldk, ldk, dim, qscale, s + c, lds);
 }
 
 // S[r, :n] = q[r] . k[:n] for `rows` query rows; the first group of rows
-// carries the prefetch.
-template <typename TK>
-void qk_block(const float* q, int64_t ldq, const TK* k, int64_t ldk, int64_t dim,
-              int64_t rows, int64_t n, float* s, int64_t lds, const Ahead* ahead) {
+// carries the prefetch. Dot void: float32 query rows, already scaled; else
+// bf16 ones (qk_tile_bf16), scaled by qscale here.
+template <typename Dot = void, typename TQ, typename TK>
+void qk_block(const TQ* q, int64_t ldq, const TK* k, int64_t ldk, int64_t dim, int64_t rows,
+              int64_t n, float* s, int64_t lds, const Ahead* ahead, float qscale = 1.f) {
   if (ahead != nullptr && ahead->row_bytes == 0) ahead = nullptr;
   int64_t r = 0;
   for (; r + 4 <= rows; r += 4) {
-    qk_rows<4>(q + r * ldq, ldq, k, ldk, dim, n, s + r * lds, lds, r == 0 ? ahead : nullptr);
+    qk_rows<Dot, 4>(q + r * ldq, ldq, k, ldk, dim, n, s + r * lds, lds, r == 0 ? ahead : nullptr, qscale);
   }
   const Ahead* a = r == 0 ? ahead : nullptr;
   switch (rows - r) {
-    case 3: qk_rows<3>(q + r * ldq, ldq, k, ldk, dim, n, s + r * lds, lds, a); break;
-    case 2: qk_rows<2>(q + r * ldq, ldq, k, ldk, dim, n, s + r * lds, lds, a); break;
-    case 1: qk_rows<1>(q + r * ldq, ldq, k, ldk, dim, n, s + r * lds, lds, a); break;
+    case 3: qk_rows<Dot, 3>(q + r * ldq, ldq, k, ldk, dim, n, s + r * lds, lds, a, qscale); break;
+    case 2: qk_rows<Dot, 2>(q + r * ldq, ldq, k, ldk, dim, n, s + r * lds, lds, a, qscale); break;
+    case 1: qk_rows<Dot, 1>(q + r * ldq, ldq, k, ldk, dim, n, s + r * lds, lds, a, qscale); break;
     default: break;
   }
 }
@@ -1028,7 +1083,7 @@ inline void start_task(const Plan& plan, const Task& t, Scratch& sc) {
     if (plan.i8dot) round_queries_i16<typename Vec::I8>(plan, rows, sc);
   }
   if constexpr (kBf16Pairs<T, TKV>) {
-    if (plan.bf16dot) {  // the bf16 queries as given, for the chunk blocks (block_pairs)
+    if (plan.bf16dot || plan.bf16qk) {  // the bf16 queries as given (qk_pairs, qk_tile_bf16)
       for (int64_t ti = 0; ti < nt; ++ti) {
         for (int64_t g = 0; g < G; ++g) {
           const T* src = qbase + (t.kvh * G + g) * p.q_stride[1] + (t.i0 + ti) * p.q_stride[2];
@@ -1044,11 +1099,19 @@ inline void start_task(const Plan& plan, const Task& t, Scratch& sc) {
 }
 
 // S = Q K^T for the task's rows [ra, rb) over n keys read in place
-// (Plan::fast_k): the integer loops where they apply, else the float ones.
-template <typename TKV>
+// (Plan::fast_k): the integer loops or the bf16 pair loops where they
+// apply, else the float ones.
+template <typename T, typename TKV>
 inline void score_in_place(const Plan& plan, Scratch& sc, int64_t ra, int64_t rb, const TKV* k,
                            int64_t ldk, int64_t n, const Ahead* ahead) {
   float* const S = sc.s.data() + ra * kBlock;
+  if constexpr (kBf16Pairs<T, TKV>) {
+    if (plan.bf16qk) {
+      qk_block<typename Vec::Bf16>(sc.qh.data() + ra * plan.dim, plan.dim, k, ldk, plan.dim, rb - ra,
+                                   n, S, kBlock, ahead, plan.qscale);
+      return;
+    }
+  }
   if constexpr (kI8Dot<TKV>) {
     if (plan.i8dot) {
       qk_block_i8<typename Vec::I8>(sc.q16.data() + ra * plan.dim, sc.qs.data() + ra, k, ldk,
@@ -1183,7 +1246,7 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
               sc.kb.data(), sc.kt.data());
       qk_gemm(Q + ra * Dp, Dp, sc.kt.data(), D, rb - ra, n8, S + ra * kBlock, kBlock, pf);
     } else if (plan.fast_k) {
-      score_in_place(plan, sc, ra, rb, kbase + c0 * p.k_stride[2], p.k_stride[2], n, &ahead);
+      score_in_place<T>(plan, sc, ra, rb, kbase + c0 * p.k_stride[2], p.k_stride[2], n, &ahead);
     } else {
       pack_rows(kbase + c0 * p.k_stride[2], p.k_stride[2], p.k_stride[3], n, D, Dp, sc.kb.data());
       qk_block(Q + ra * Dp, Dp, static_cast<const float*>(sc.kb.data()), Dp, Dp, rb - ra, n,
@@ -1343,7 +1406,7 @@ void run_task_ring(const Plan& plan, const Task& t, Scratch& sc) {
       }
     }
     if (run && plan.fast_k) {
-      score_in_place(plan, sc, 0, rows, kbase + sc.sel[c0] * p.k_stride[2], p.k_stride[2], n,
+      score_in_place<T>(plan, sc, 0, rows, kbase + sc.sel[c0] * p.k_stride[2], p.k_stride[2], n,
                      &ahead);
       // A quantized run: the key scales on the scores, as in run_task.
       if constexpr (kQuantized) {

@@ -61,6 +61,11 @@ struct Plan {
   // "Chunks on bf16 pairs"). Keys and values read in place, key rows an
   // even number of elements apart.
   bool bf16dot = false;
+  // Decode and short-chunk blocks of bf16 queries over a bf16 cache on
+  // AVX512-BF16 (the blocks that do not take the GEMM loops): scores by
+  // bf16 pair dot products over keys read in place (qk_tile_bf16); the
+  // weights stay float32. head_dim a multiple of 32.
+  bool bf16qk = false;
   // Scores in log2 units: q is scaled by scale * log2(e); with a softcap,
   // by scale / softcap, and the score becomes cap * tanh(q.k) with
   // cap = softcap * log2(e).
@@ -97,8 +102,8 @@ struct Scratch {
   // scales; a block's weights rounded to int16 (rows x (kBlock + 2)) and theirs.
   std::vector<int16_t> q16, wq;
   std::vector<float> qs, ws;
-  // Plan::bf16dot: the bf16 query rows (rows x dim) and a block's weights
-  // rounded to bf16 (rows x kBlock).
+  // Plan::bf16dot or bf16qk: the bf16 query rows (rows x dim); bf16dot: a
+  // block's weights rounded to bf16 (rows x kBlock).
   std::vector<c10::BFloat16> qh, pb;
 
   explicit Scratch(const Plan& plan) {
@@ -120,10 +125,8 @@ struct Scratch {
       wq.assign(rows * (kBlock + 2), 0);
       ws.assign(rows, 0.f);
     }
-    if (plan.bf16dot) {
-      qh.assign(rows * plan.dim, c10::BFloat16(0.f));
-      pb.assign(rows * kBlock, c10::BFloat16(0.f));
-    }
+    if (plan.bf16dot || plan.bf16qk) qh.assign(rows * plan.dim, c10::BFloat16(0.f));
+    if (plan.bf16dot) pb.assign(rows * kBlock, c10::BFloat16(0.f));
     m.assign(rows, 0.f);
     l.assign(rows, 0.f);
     alpha.assign(rows, 0.f);

@@ -568,6 +568,8 @@ struct Bf16DotAvx512 {
   using V = __m512;
   using W = __m512i;
   static inline W load(const uint32_t* p) { return _mm512_loadu_si512(p); }
+  // 32 consecutive bf16 of a row: 16 pairs.
+  static inline W load_row(const c10::BFloat16* p) { return _mm512_loadu_si512(p); }
   // The pair at p (two consecutive bf16) in every lane.
   static inline W set1(const c10::BFloat16* p) {
     int32_t w;

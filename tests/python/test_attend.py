@@ -272,6 +272,18 @@ def test_streamed_tasks_over_every_layout(kv_layout, dtype, threads):
         torch.set_num_threads(saved)
 
 
+@pytest.mark.parametrize("d", [32, 96, 160])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8])
+def test_bf16_decode_every_group_and_tile_edge(group, d):
+    """bf16 decode and short chunks over a bf16 cache (on AVX512-BF16 the scores take bf16
+    pair dot products, 32 elements a step, 1-4 query rows a tile, 4-16 slots a tile): every
+    remainder of the row tiles (group 1-8), head_dims that are multiples of 32 but not of 64
+    or 128, and lengths that end slot tiles and blocks off their edges."""
+    check(2, 2 * group, 2, 1, d, 150, [150, 67], torch.bfloat16)
+    check(1, group, 1, 3, d, 90, [77], torch.bfloat16, kv_start=[5], window=60, softcap=20.0)
+    check(1, group, 1, 1, d, 140, [133], torch.bfloat16, kv_layout="slice")
+
+
 @pytest.mark.parametrize("q_layout", ["transposed", "strided"])
 def test_query_layouts(q_layout, device):
     check(2, 8, 4, 6, 128, 100, [100, 50], q_layout=q_layout, kv_layout="transposed", device=device)
@@ -391,6 +403,7 @@ torch.set_num_threads(2)
 outs.append(t.check(1, 8, 1, 1, 128, 9000, [8999])[0])
 kvcache._C.set_attend_cpu_tuning(parallel_work=0.0, min_split=1)
 t.check(1, 8, 1, 1, 128, 300, [256], torch.bfloat16)
+t.check(1, 3, 1, 1, 96, 140, [133], torch.bfloat16)  # bf16 pair scores: a 3-row tile, head_dim 96
 import test_attend_ring_runs as rr
 rr.run(1, 8, 2, 4, 128, 200, 4, [1000], torch.float32)
 rr.run(1, 8, 2, 1, 128, 200, 4, [1000], torch.bfloat16)
