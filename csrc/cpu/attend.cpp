@@ -333,11 +333,11 @@ void attend_typed(const AttendParams& p) {
   plan.gemm = !plan.ring && !plan.i8dot && p.head_dim % 8 == 0 &&
               plan.max_rows() >= plan.gemm_rows;
   if (plan.gemm) plan.tile = std::clamp<int64_t>(kGemmTileRows / plan.group, 1, p.seq);
-  plan.bf16dot = path == Isa::kAvx512Bf16 && std::is_same_v<T, c10::BFloat16> &&
-                 std::is_same_v<TKV, c10::BFloat16> && plan.gemm && plan.fast_k && plan.fast_v &&
-                 p.k_stride[2] % 2 == 0;
-  plan.bf16qk = path == Isa::kAvx512Bf16 && std::is_same_v<T, c10::BFloat16> &&
-                std::is_same_v<TKV, c10::BFloat16> && plan.fast_k && p.head_dim % 32 == 0;
+  // bf16 queries over a bf16 cache, keys in place, on AVX512-BF16: the pair loops.
+  const bool bf16_pairs = path == Isa::kAvx512Bf16 && std::is_same_v<T, c10::BFloat16> &&
+                          std::is_same_v<TKV, c10::BFloat16> && plan.fast_k;
+  plan.bf16dot = bf16_pairs && plan.gemm && plan.fast_v && p.k_stride[2] % 2 == 0;
+  plan.bf16qk = bf16_pairs && p.head_dim % 32 == 0;
   if (p.softcap > 0.f) {
     plan.qscale = p.scale / p.softcap;
     plan.cap = p.softcap * kLog2e;

@@ -29,6 +29,27 @@
 // at most, cut to the queries' causal and window limits. A slot another
 // row of the block sees but this row does not gets weight exactly 0.
 
+// s[r * lds + c] = the sum of the lanes of acc[r * C + c] (times scale
+// with kScale): the end of a score tile, by one hsum16 or hsum8 where the
+// tile's sums fill one.
+template <int R, int C, bool kScale = false>
+inline void store_tile_sums(const typename Vec::V* acc, float scale, float* s, int64_t lds) {
+  float out[R * C];
+  if constexpr (R * C == 16 && Vec::kLanes == 16) {
+    Vec::hsum16(acc, out);
+  } else if constexpr (R * C == 8 && Vec::kLanes == 8) {
+    Vec::hsum8(acc, out);
+  } else {
+#pragma GCC unroll 16
+    for (int x = 0; x < R * C; ++x) out[x] = Vec::reduce_add(acc[x]);
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) s[r * lds + c] = kScale ? out[r * C + c] * scale : out[r * C + c];
+  }
+}
+
 template <int R, int C, typename TK>
 inline void qk_tile(const float* q, int64_t ldq, const TK* k, int64_t ldk,
                     int64_t dim, float* s, int64_t lds) {
@@ -48,29 +69,7 @@ inline void qk_tile(const float* q, int64_t ldq, const TK* k, int64_t ldk,
       for (int c = 0; c < C; ++c) acc[r * C + c] = Vec::fma(qv, kv[c], acc[r * C + c]);
     }
   }
-  if constexpr (R * C == 16 && Vec::kLanes == 16) {
-    float out[16];
-    Vec::hsum16(acc, out);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 16
-      for (int c = 0; c < C; ++c) s[r * lds + c] = out[r * C + c];
-    }
-  } else if constexpr (R * C == 8 && Vec::kLanes == 8) {
-    float out[8];
-    Vec::hsum8(acc, out);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 16
-      for (int c = 0; c < C; ++c) s[r * lds + c] = out[r * C + c];
-    }
-  } else {
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 16
-      for (int c = 0; c < C; ++c) s[r * lds + c] = Vec::reduce_add(acc[r * C + c]);
-    }
-  }
+  store_tile_sums<R, C>(acc, 1.f, s, lds);
 }
 
 // Rows of the next block to prefetch while this one is scored, and the
@@ -86,24 +85,18 @@ struct Ahead {
   int64_t pv_chunk = kBlock;    // slots per chunk of the weight pass (pv_chunk_slots when streaming)
 };
 
-// One cache line asked for. On x86 as an asm statement the compiler must
+// One cache line asked for, into L2 (see kStreamAhead). On x86 as an asm statement the compiler must
 // keep: written as __builtin_prefetch calls, the stream loops below came out
 // of GCC 12 with no prefetch at all (no prefetcht0 in the library) and ran
 // 1.4x slower than the per-tile prefetch they replaced.
-template <int kHint>
 inline void prefetch_line(const char* p) {
 #if defined(__x86_64__) || defined(__i386__)
-  if constexpr (kHint >= 3) {
-    asm volatile("prefetcht0 %0" : : "m"(*p));
-  } else {
-    asm volatile("prefetcht1 %0" : : "m"(*p));
-  }
+  asm volatile("prefetcht1 %0" : : "m"(*p));
 #else
-  __builtin_prefetch(p, 0, kHint);
+  __builtin_prefetch(p, 0, 2);
 #endif
 }
 
-template <int kHint = 2>
 inline void prefetch_rows(const char* base, int64_t ld, int64_t j0, int64_t j1, int64_t bytes) {
   if (ld == bytes && j0 < j1) {
     // Contiguous rows (a contiguous cache): one run of lines, one loop. A
@@ -115,7 +108,7 @@ inline void prefetch_rows(const char* base, int64_t ld, int64_t j0, int64_t j1, 
     j1 = j0 + 1;
   }
   for (int64_t j = j0; j < j1; ++j) {
-    for (int64_t off = 0; off < bytes; off += 64) prefetch_line<kHint>(base + j * ld + off);
+    for (int64_t off = 0; off < bytes; off += 64) prefetch_line(base + j * ld + off);
   }
 }
 
@@ -171,10 +164,10 @@ inline int64_t stream_distance(const Ahead& a) {
 inline void prefetch_stream(const char* cur, const char* next, int64_t ld_cur, int64_t ld_next,
                             int64_t n, int64_t next_rows, int64_t j0, int64_t j1, int64_t bytes) {
   if (j0 < n) {
-    prefetch_rows<2>(cur, ld_cur, j0, std::min(j1, n), bytes);
+    prefetch_rows(cur, ld_cur, j0, std::min(j1, n), bytes);
     j0 = n;
   }
-  if (next != nullptr && j0 < j1) prefetch_rows<2>(next, ld_next, j0 - n, std::min(j1 - n, next_rows), bytes);
+  if (next != nullptr && j0 < j1) prefetch_rows(next, ld_next, j0 - n, std::min(j1 - n, next_rows), bytes);
 }
 
 // The next block's key rows, then its value rows, asked for (into L2) a few
@@ -236,18 +229,7 @@ inline void qk_tile_bf16(const c10::BFloat16* q, int64_t ldq, const c10::BFloat1
       for (int c = 0; c < C; ++c) acc[r * C + c] = Dot::dot(acc[r * C + c], qv, kv[c]);
     }
   }
-  float out[R * C];
-  if constexpr (R * C == 16) {
-    Vec::hsum16(acc, out);
-  } else {
-#pragma GCC unroll 16
-    for (int x = 0; x < R * C; ++x) out[x] = Vec::reduce_add(acc[x]);
-  }
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) s[r * lds + c] = out[r * C + c] * qscale;
-  }
+  store_tile_sums<R, C, true>(acc, qscale, s, lds);
 }
 
 // One score tile: float32 query rows (scaled) over keys of any float type
@@ -279,7 +261,7 @@ inline void qk_rows(const TQ* q, int64_t ldq, const TK* k, int64_t ldk, int64_t 
     if (ahead != nullptr) {
       prefetch_stream(kc, ahead->k, ldkb, ahead->ldk, n, ahead->rows, c + dist, c + dist + C,
                       ahead->row_bytes);
-      if (ahead->v_cur != nullptr) prefetch_rows<2>(ahead->v_cur, ahead->ldv, c, c + C, ahead->row_bytes);
+      if (ahead->v_cur != nullptr) prefetch_rows(ahead->v_cur, ahead->ldv, c, c + C, ahead->row_bytes);
     }
     score_tile<Dot, R, C>(q, ldq, k + c * ldk, ldk, dim, qscale, s + c, lds);
   }
