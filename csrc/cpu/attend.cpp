@@ -338,6 +338,7 @@ void attend_typed(const AttendParams& p) {
                           std::is_same_v<TKV, c10::BFloat16> && plan.fast_k;
   plan.bf16dot = bf16_pairs && plan.gemm && plan.fast_v && p.k_stride[2] % 2 == 0;
   plan.bf16qk = bf16_pairs && p.head_dim % 32 == 0;
+  plan.bf16pv = plan.bf16qk && plan.fast_v;
   if (p.softcap > 0.f) {
     plan.qscale = p.scale / p.softcap;
     plan.cap = p.softcap * kLog2e;

@@ -663,6 +663,146 @@ void pv_block(const float* p, int64_t ldp, const TV* v, int64_t ldv,
   }
 }
 
+// ---- Decode weights on bf16 pairs (Plan::bf16pv) ------------------------
+//
+// O = alpha O + P V over bf16 values read in place, two slots a vdpbf16ps
+// (Dot: Bf16DotAvx512): each weight row is rounded to bf16 once per block
+// (pb), two value rows are paired in registers (Dot::pair_rows) and one
+// instruction adds both slots' products to 16 columns. Against pv_tile on
+// the widened values that is half the multiply instructions and none of the
+// conversions. The rounding of the weights (relative 2^-9, as the chunk
+// loops' pv_pairs) is below the bf16 output's own. The accumulators hold
+// their columns in pair_rows' order; O is reordered on the way in and out
+// (Dot::to_pair_order, from_pair_order), once per tile and block.
+
+// O[r, :32 W] = alpha[r] O[r, :32 W] + sum_j pb[r, j] v[j, :32 W] for R rows
+// over n slots (n odd: the last slot pairs with 0; pb[r, n] is not read);
+// alpha nullptr: no rescale (a later chunk of a block).
+template <typename Dot, int R, int W>
+inline void pv_tile_bf16(const c10::BFloat16* pb, int64_t ldp, const c10::BFloat16* v, int64_t ldv,
+                         int64_t n, float* o, int64_t ldo, const float* alpha) {
+  using V = typename Vec::V;
+  using PW = typename Dot::W;
+  V acc[R * 2 * W];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int w = 0; w < W; ++w) {
+      V x = Vec::load(o + r * ldo + 2 * Vec::kLanes * w);
+      V y = Vec::load(o + r * ldo + 2 * Vec::kLanes * w + Vec::kLanes);
+      if (alpha != nullptr) {
+        const V a = Vec::set1(alpha[r]);
+        x = Vec::mul(x, a);
+        y = Vec::mul(y, a);
+      }
+      Dot::to_pair_order(x, y, acc[(r * W + w) * 2], acc[(r * W + w) * 2 + 1]);
+    }
+  }
+  // One slot pair: lo/hi[w] the paired values of columns [32 w, 32 w + 32),
+  // weight(r) row r's weight pair.
+  auto step = [&](const PW* lo, const PW* hi, auto weight) __attribute__((always_inline)) {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const PW pw = weight(r);
+#pragma GCC unroll 8
+      for (int w = 0; w < W; ++w) {
+        acc[(r * W + w) * 2] = Dot::dot(acc[(r * W + w) * 2], lo[w], pw);
+        acc[(r * W + w) * 2 + 1] = Dot::dot(acc[(r * W + w) * 2 + 1], hi[w], pw);
+      }
+    }
+  };
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    PW lo[W], hi[W];
+#pragma GCC unroll 8
+    for (int w = 0; w < W; ++w) {
+      const int64_t d = 2 * Vec::kLanes * w;
+      Dot::pair_rows(Dot::load_row(v + j * ldv + d), Dot::load_row(v + (j + 1) * ldv + d), lo[w], hi[w]);
+    }
+    step(lo, hi, [&](int r) { return Dot::set1(pb + r * ldp + j); });
+  }
+  if (j < n) {  // the last slot of an odd n, paired with zeros (never row n)
+    PW lo[W], hi[W];
+#pragma GCC unroll 8
+    for (int w = 0; w < W; ++w) {
+      Dot::pair_rows(Dot::load_row(v + j * ldv + 2 * Vec::kLanes * w), Dot::zero(), lo[w], hi[w]);
+    }
+    step(lo, hi, [&](int r) { return Dot::set1_lo(pb + r * ldp + j); });
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int w = 0; w < W; ++w) {
+      V x, y;
+      Dot::from_pair_order(acc[(r * W + w) * 2], acc[(r * W + w) * 2 + 1], x, y);
+      Vec::store(o + r * ldo + 2 * Vec::kLanes * w, x);
+      Vec::store(o + r * ldo + 2 * Vec::kLanes * w + Vec::kLanes, y);
+    }
+  }
+}
+
+// R rows over all of head_dim (a multiple of 32): tiles of 4 x 32 columns
+// for 1-2 rows, 2 x 32 for 3-4 (at most 16 accumulators, each one
+// vdpbf16ps chain through the slot loop).
+template <typename Dot, int R>
+inline void pv_rows_bf16(const c10::BFloat16* pb, int64_t ldp, const c10::BFloat16* v, int64_t ldv,
+                         int64_t n, float* o, int64_t ldo, const float* alpha, int64_t dim) {
+  constexpr int64_t C = 2 * Vec::kLanes;  // columns a pair vector covers
+  constexpr int W = R <= 2 ? 4 : 2;
+  int64_t d = 0;
+  for (; d + C * W <= dim; d += C * W) pv_tile_bf16<Dot, R, W>(pb, ldp, v + d, ldv, n, o + d, ldo, alpha);
+  if constexpr (W > 2) {
+    for (; d + 2 * C <= dim; d += 2 * C) pv_tile_bf16<Dot, R, 2>(pb, ldp, v + d, ldv, n, o + d, ldo, alpha);
+  }
+  for (; d < dim; d += C) pv_tile_bf16<Dot, R, 1>(pb, ldp, v + d, ldv, n, o + d, ldo, alpha);
+}
+
+template <typename Dot>
+void pv_rows_all_bf16(const c10::BFloat16* pb, const c10::BFloat16* v, int64_t ldv, int64_t n, float* o,
+                      int64_t ldo, const float* alpha, int64_t rows, int64_t dim) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    const float* a = alpha != nullptr ? alpha + r : nullptr;
+    pv_rows_bf16<Dot, 4>(pb + r * kBlock, kBlock, v, ldv, n, o + r * ldo, ldo, a, dim);
+  }
+  const float* a = alpha != nullptr ? alpha + r : nullptr;
+  const c10::BFloat16* w = pb + r * kBlock;
+  switch (rows - r) {
+    case 3: pv_rows_bf16<Dot, 3>(w, kBlock, v, ldv, n, o + r * ldo, ldo, a, dim); break;
+    case 2: pv_rows_bf16<Dot, 2>(w, kBlock, v, ldv, n, o + r * ldo, ldo, a, dim); break;
+    case 1: pv_rows_bf16<Dot, 1>(w, kBlock, v, ldv, n, o + r * ldo, ldo, a, dim); break;
+    default: break;
+  }
+}
+
+// As pv_block, for bf16 values on bf16 pairs: the weights P (rows x n,
+// ldp apart, zero from column n to the next multiple of Vec::kLanes, as
+// softmax_row leaves them) rounded into pb (rows x kBlock), then the chunks
+// of pv_block (an even number of slots each, so only a block's last chunk
+// can end on an unpaired slot).
+template <typename Dot>
+void pv_block_bf16(const float* p, int64_t ldp, const c10::BFloat16* v, int64_t ldv, int64_t n, float* o,
+                   int64_t ldo, const float* alpha, int64_t rows, int64_t dim, c10::BFloat16* pb,
+                   const Ahead* ahead) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < n; j += Vec::kLanes) Dot::round16(p + r * ldp + j, pb + r * kBlock + j);
+  }
+  if (ahead == nullptr || ahead->row_bytes == 0) {
+    pv_rows_all_bf16<Dot>(pb, v, ldv, n, o, ldo, alpha, rows, dim);
+    return;
+  }
+  const char* const vc = reinterpret_cast<const char*>(v);
+  const int64_t ldvb = ldv * int64_t(sizeof(c10::BFloat16));
+  const int64_t dist = stream_distance(*ahead);
+  const int64_t chunk = std::max<int64_t>(2, ahead->pv_chunk & ~int64_t(1));
+  for (int64_t j = 0; j < n; j += chunk) {
+    const int64_t e = std::min(n, j + chunk);
+    prefetch_stream(vc, ahead->v, ldvb, ahead->ldv, n, ahead->rows, j + dist, e + dist,
+                    ahead->row_bytes);
+    pv_rows_all_bf16<Dot>(pb + j, v + j * ldv, ldv, e - j, o, ldo, j == 0 ? alpha : nullptr, rows, dim);
+  }
+}
+
 // Widens n cached rows (any element stride) to float32, dim_pad apart
 // (the padding columns were zeroed when the scratch was made).
 template <typename T>
@@ -1106,14 +1246,21 @@ inline void score_in_place(const Plan& plan, Scratch& sc, int64_t ra, int64_t rb
 }
 
 // O = alpha O + P V for the task's rows [ra, rb) over n values read in place
-// (Plan::fast_v): the integer loops where they apply (and the block's weights
-// are finite), else the float ones.
-template <typename TKV>
+// (Plan::fast_v): the bf16 pair loops or the integer loops (when the
+// block's weights are finite) where they apply, else the float ones.
+template <typename T, typename TKV>
 inline void weigh_in_place(const Plan& plan, Scratch& sc, int64_t ra, int64_t rb, const TKV* v,
                            int64_t ldv, int64_t n, const Ahead* ahead) {
   const float* const P = sc.s.data() + ra * kBlock;
   float* const O = sc.o.data() + ra * plan.dim_pad;
   const float* const alpha = sc.alpha.data() + ra;
+  if constexpr (kBf16Pairs<T, TKV>) {
+    if (plan.bf16pv) {
+      pv_block_bf16<typename Vec::Bf16>(P, kBlock, v, ldv, n, O, plan.dim_pad, alpha, rb - ra, plan.dim,
+                                        sc.pb.data() + ra * kBlock, ahead);
+      return;
+    }
+  }
   if constexpr (kI8Dot<TKV>) {
     if (plan.i8dot && pv_block_i8<typename Vec::I8>(P, kBlock, v, ldv, n, O, plan.dim_pad, alpha,
                                                     rb - ra, plan.dim, sc.wq.data(),
@@ -1259,7 +1406,7 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
                       O + ra * Dp, Dp, alpha + ra, rb - ra, Dp, pf);
       }
     } else if (plan.fast_v) {
-      weigh_in_place(plan, sc, ra, rb, vbase + c0 * p.v_stride[2], p.v_stride[2], n, &ahead);
+      weigh_in_place<T>(plan, sc, ra, rb, vbase + c0 * p.v_stride[2], p.v_stride[2], n, &ahead);
     } else {
       pack_rows(vbase + c0 * p.v_stride[2], p.v_stride[2], p.v_stride[3], n, D, Dp, sc.vb.data());
       pv_block(S + ra * kBlock, kBlock, static_cast<const float*>(sc.vb.data()), Dp, n,
@@ -1418,7 +1565,7 @@ void run_task_ring(const Plan& plan, const Task& t, Scratch& sc) {
       if constexpr (kQuantized) {
         scale_columns(S, 0, rows, n, vscale + sc.sel[c0] * p.vs_stride[2], p.vs_stride[2]);
       }
-      weigh_in_place(plan, sc, 0, rows, vbase + sc.sel[c0] * p.v_stride[2], p.v_stride[2], n, &ahead);
+      weigh_in_place<T>(plan, sc, 0, rows, vbase + sc.sel[c0] * p.v_stride[2], p.v_stride[2], n, &ahead);
     } else {
       gather(c0, n, vbase, p.v_stride, vscale, p.vs_stride[2], vb);
       pv_block(S, kBlock, static_cast<const float*>(vb), Dp, n, O, Dp, alpha, rows, Dp);

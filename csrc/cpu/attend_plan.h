@@ -66,6 +66,10 @@ struct Plan {
   // bf16 pair dot products over keys read in place (qk_tile_bf16); the
   // weights stay float32. head_dim a multiple of 32.
   bool bf16qk = false;
+  // Plan::bf16qk blocks whose values are read in place too (Plan::fast_v):
+  // the weight pass on bf16 pairs as well (pv_block_bf16), the weights
+  // rounded to bf16 once per block.
+  bool bf16pv = false;
   // Scores in log2 units: q is scaled by scale * log2(e); with a softcap,
   // by scale / softcap, and the score becomes cap * tanh(q.k) with
   // cap = softcap * log2(e).
@@ -102,8 +106,8 @@ struct Scratch {
   // scales; a block's weights rounded to int16 (rows x (kBlock + 2)) and theirs.
   std::vector<int16_t> q16, wq;
   std::vector<float> qs, ws;
-  // Plan::bf16dot or bf16qk: the bf16 query rows (rows x dim); bf16dot: a
-  // block's weights rounded to bf16 (rows x kBlock).
+  // Plan::bf16dot or bf16qk: the bf16 query rows (rows x dim); bf16dot or
+  // bf16pv: a block's weights rounded to bf16 (rows x kBlock).
   std::vector<c10::BFloat16> qh, pb;
 
   explicit Scratch(const Plan& plan) {
@@ -126,7 +130,7 @@ struct Scratch {
       ws.assign(rows, 0.f);
     }
     if (plan.bf16dot || plan.bf16qk) qh.assign(rows * plan.dim, c10::BFloat16(0.f));
-    if (plan.bf16dot) pb.assign(rows * kBlock, c10::BFloat16(0.f));
+    if (plan.bf16dot || plan.bf16pv) pb.assign(rows * kBlock, c10::BFloat16(0.f));
     m.assign(rows, 0.f);
     l.assign(rows, 0.f);
     alpha.assign(rows, 0.f);

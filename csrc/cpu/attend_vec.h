@@ -22,8 +22,9 @@
 //   kernels' key packing, whatever kLanes is); and kI8Dot / I8, whether int8
 //   caches with 16-bit queries take integer dot products, and their
 //   primitives (I8DotAvx2, for AVX2 and AVX-512; void for the portable flavour);
-//   kBf16Dot / Bf16, whether bf16 chunks take bf16 pair dot products and
-//   their primitives (Bf16DotAvx512, for VecAvx512Bf16 only; void elsewhere).
+//   kBf16Dot / Bf16, whether bf16 tasks over a bf16 cache take bf16 pair dot
+//   products and their primitives (Bf16DotAvx512, for VecAvx512Bf16 only;
+//   void elsewhere).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -586,6 +587,34 @@ struct Bf16DotAvx512 {
   static inline void round16(const float* src, c10::BFloat16* dst) {
     const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(src));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), reinterpret_cast<__m256i>(h));
+  }
+  static inline W zero() { return _mm512_setzero_si512(); }
+  // The bf16 at p paired with 0, in every lane (an odd block's last slot).
+  static inline W set1_lo(const c10::BFloat16* p) {
+    uint16_t h;
+    std::memcpy(&h, p, sizeof(h));
+    return _mm512_set1_epi32(h);
+  }
+  // Two slots' 32 values a[0, 32), b[0, 32) as pairs (a[c], b[c]) in two W
+  // without a trip through memory: vpunpcklwd / vpunpckhwd stay in their
+  // 128-bit lanes, so lo holds the columns 8L + [0, 4) of each lane L and hi
+  // the columns 8L + [4, 8): the order to_pair_order puts float32 columns in.
+  static inline void pair_rows(W a, W b, W& lo, W& hi) {
+    lo = _mm512_unpacklo_epi16(a, b);
+    hi = _mm512_unpackhi_epi16(a, b);
+  }
+  // x, y: float32 columns [0, 16) and [16, 32); lo, hi: the same columns in
+  // pair_rows' order (lo = x[0:4] x[8:12] y[0:4] y[8:12], hi the rest).
+  static inline void to_pair_order(V x, V y, V& lo, V& hi) {
+    lo = _mm512_shuffle_f32x4(x, y, 0x88);  // 128-bit lanes x0 x2 y0 y2
+    hi = _mm512_shuffle_f32x4(x, y, 0xdd);  // x1 x3 y1 y3
+  }
+  // The inverse of to_pair_order.
+  static inline void from_pair_order(V lo, V hi, V& x, V& y) {
+    const V a = _mm512_shuffle_f32x4(lo, hi, 0x44);  // lo0 lo1 hi0 hi1
+    const V b = _mm512_shuffle_f32x4(lo, hi, 0xee);  // lo2 lo3 hi2 hi3
+    x = _mm512_shuffle_f32x4(a, a, 0xd8);            // lo0 hi0 lo1 hi1
+    y = _mm512_shuffle_f32x4(b, b, 0xd8);            // lo2 hi2 lo3 hi3
   }
   // dst[d] = (a[d], b[d]) for d < 16: two slots' values as 16 pairs; b
   // nullptr: (a[d], 0).

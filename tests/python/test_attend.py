@@ -275,13 +275,16 @@ def test_streamed_tasks_over_every_layout(kv_layout, dtype, threads):
 @pytest.mark.parametrize("d", [32, 96, 160])
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8])
 def test_bf16_decode_every_group_and_tile_edge(group, d):
-    """bf16 decode and short chunks over a bf16 cache (on AVX512-BF16 the scores take bf16
-    pair dot products, 32 elements a step, 1-4 query rows a tile, 4-16 slots a tile): every
-    remainder of the row tiles (group 1-8), head_dims that are multiples of 32 but not of 64
-    or 128, and lengths that end slot tiles and blocks off their edges."""
+    """bf16 decode and short chunks over a bf16 cache (on AVX512-BF16 both products take bf16
+    pair dot products: the scores 32 elements a step, 1-4 query rows by 4-16 slots a tile; the
+    weights two slots a step, 1-4 rows by 32-128 columns a tile): every remainder of the row
+    tiles (group 1-8), head_dims that are multiples of 32 but not of 64 or 128, and odd
+    lengths that end slot pairs, tiles, blocks and (1799 slots: the streamed weight pass,
+    by chunks) chunks off their edges."""
     check(2, 2 * group, 2, 1, d, 150, [150, 67], torch.bfloat16)
     check(1, group, 1, 3, d, 90, [77], torch.bfloat16, kv_start=[5], window=60, softcap=20.0)
     check(1, group, 1, 1, d, 140, [133], torch.bfloat16, kv_layout="slice")
+    check(1, group, 1, 1, d, 1800, [1799], torch.bfloat16, kv_start=[3])
 
 
 @pytest.mark.parametrize("q_layout", ["transposed", "strided"])
