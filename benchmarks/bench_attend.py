@@ -52,7 +52,12 @@ capacity of a filled length in one run.
 Every decode row prints the bytes of keys and values the kernel reads, the
 GB/s it reaches and ``bw_frac``: that rate divided by the rate of a
 same-size, same-thread-count streaming read (``x.sum()`` over a float32
-buffer of the same bytes) measured in the same run. Peers: "SDPA prefix
+buffer of the same bytes) measured in the same run; and ``roof_frac``, the
+fraction of the roofline the row reaches: its lower bound on the time, the
+larger of that streaming read's time and its multiply-adds at the GEMM rate
+measured in the same rounds (as for chunks), over the time it takes, with
+``bound`` naming which of the two is larger. Where the bound is compute, a
+``bw_frac`` of 1 is out of reach of any kernel on the machine. Peers: "SDPA prefix
 view" (folded groups), "SDPA prefix, enable_gqa", compiled
 ``flex_attention`` with ``--flex`` (compiles per shape: slow), ExecuTorch's
 ``custom_sdpa`` when ``executorch`` is importable (skipped otherwise);
@@ -212,13 +217,19 @@ def ratio(res, a, b, key="median_us"):
     return res[a][key] / res[b][key]
 
 
-def add_limits(r: Dict, row: Dict, name: str, kv_bytes: int) -> None:
-    """bytes, GB/s, bw_frac and vs_best for method `name` of one measured set `r`."""
+def add_limits(r: Dict, row: Dict, name: str, kv_bytes: int, flops: float = 0.0, rate: float = 0.0) -> None:
+    """bytes, GB/s, bw_frac and vs_best for method `name` of one measured set `r`; with the row's
+    flops and the GEMM rate (GFLOP/s) measured beside it, roof_frac and bound."""
     t = r[name]["median_us"]
     row["kv_MB"] = kv_bytes / 1e6
     row["GB_s"] = kv_bytes / t / 1e3
     if "stream read (same bytes)" in r:
-        row["bw_frac"] = r["stream read (same bytes)"]["median_us"] / t
+        stream_us = r["stream read (same bytes)"]["median_us"]
+        row["bw_frac"] = stream_us / t
+        if flops > 0 and rate > 0:
+            compute_us = flops / rate / 1e3
+            row["roof_frac"] = max(stream_us, compute_us) / t
+            row["bound"] = "compute" if compute_us > stream_us else "memory"
     peers = [r[p]["median_us"] for p in PEERS if p in r]
     if peers:
         best = min(peers)
@@ -254,6 +265,8 @@ def case_decode(args, threads):
                 for cap in caps:
                     for name, fn in decode_methods(filled, cap, dtype, args, batch=batch, head_dim=head_dim).items():
                         fns[(cap, name)] = fn
+                for name, fn in gemm_refs(dtype).items():  # the roofline's compute rate, once a set
+                    fns[(None, name)] = fn
                 # CPU times only where issue 9's targets read them (the default shape).
                 res = measure(fns, args, threads, len(caps), cpu=(batch, head_dim) == DEFAULT_SHAPE)
                 out.extend(decode_rows(res, caps, threads, dtype_name, batch, head_dim, filled))
@@ -264,6 +277,9 @@ def case_decode(args, threads):
 def decode_rows(res, caps, threads, dtype_name, batch, head_dim, filled):
     out = []
     nbytes = kv_bytes(batch, filled, head_dim, DTYPES[dtype_name])
+    gemm = {name: m for (c, name), m in res.items() if c is None}
+    rate = gemm_rate(gemm) if gemm else 0.0
+    flops = 4.0 * batch * HEADS * head_dim * filled  # Q.K and P.V, 2 flops a multiply-add
     for cap in caps:
         r = {name: m for (c, name), m in res.items() if c == cap}
         for name, m in r.items():
@@ -276,7 +292,7 @@ def decode_rows(res, caps, threads, dtype_name, batch, head_dim, filled):
             if masked:
                 row["masked_over_this"] = ratio(r, "masked SDPA, whole buffer", name)
             if name == "kvcache attend":
-                add_limits(r, row, name, nbytes)
+                add_limits(r, row, name, nbytes, flops, rate)
             if m["cpu_us"] is not None and masked:
                 row["cpu_vs_prefix_sdpa"] = ratio(r, name, "SDPA prefix view", "cpu_us")
                 row["cpu_masked_over_this"] = ratio(r, "masked SDPA, whole buffer", name, "cpu_us")
@@ -348,7 +364,7 @@ def case_chunk(args, threads):
                            gemm_GFLOP_s=rate)
                 row["gemm_frac"] = row["GFLOP_s"] / rate
                 if name == "kvcache attend":
-                    add_limits(res, row, name, kv_bytes(batch, filled, head_dim, dtype))
+                    add_limits(res, row, name, kv_bytes(batch, filled, head_dim, dtype), flops, rate)
                 out.append(row)
             del fns, res, keys, values
     return out
@@ -522,10 +538,10 @@ CASES = {
     "decode": (case_decode, "decode, one query, 32/8 heads, µs",
                ["dtype", "batch", "head_dim", "filled", "capacity", "method", "median_us", "min_us", "max_us", "cpu_us",
                 "vs_prefix_sdpa", "cpu_vs_prefix_sdpa", "masked_over_this", "kv_MB", "GB_s", "bw_frac",
-                "best_peer", "vs_best"]),
+                "roof_frac", "bound", "best_peer", "vs_best"]),
     "chunk": (case_chunk, "chunks (seq 4, 128), 32/8 heads, µs",
               ["dtype", "batch", "head_dim", "seq", "filled", "method", "median_us", "min_us", "max_us", "GFLOP_s", "gemm_GFLOP_s",
-               "gemm_frac", "GB_s", "bw_frac", "best_peer", "vs_best"]),
+               "gemm_frac", "GB_s", "bw_frac", "roof_frac", "bound", "best_peer", "vs_best"]),
     "ring": (case_ring, "ring decode (window 4096, sinks 4, wrapped) against linear, batch 1, µs",
              ["dtype", "method", "median_us", "min_us", "max_us", "vs_linear", "GB_s", "bw_frac"]),
     "crossover": (case_crossover, "serial vs parallel decode over short rows, batch 1, µs",
@@ -660,8 +676,9 @@ def issue22_targets(rows: List[dict], threads: int) -> List[dict]:
         if lim is not None:
             kind, value, goal = lim
             label = "streaming-read fraction" if kind == "bw" else "GEMM-rate fraction"
+            roof = f"{r['roof_frac']:.2f} ({r['bound']})" if "roof_frac" in r else ""
             out.append(dict(target=f"{name}: {label}", goal=f">= {goal}", measured=value,
-                            met="yes" if value >= goal else "NO"))
+                            met="yes" if value >= goal else "NO", roofline=roof))
     return out
 
 
@@ -683,6 +700,8 @@ def grid_table(rows: List[dict], threads: int) -> List[dict]:
         seen.add((key, r["filled"]))
         lim = limit_fraction(r, l2)
         frac = f" ({lim[0]} {lim[1]:.2f})" if lim is not None else ""
+        if lim is not None and lim[0] == "bw" and "roof_frac" in r:
+            frac = f" (bw {lim[1]:.2f}; roof {r['roof_frac']:.2f} {r['bound'][:3]})"
         cells.setdefault(key, {})[r["filled"]] = f"{r['vs_best']:.2f}{frac}"
     filleds = sorted({f for c in cells.values() for f in c})
     return [dict(dtype=k[0], seq=k[1], batch=k[2], head_dim=k[3],
@@ -715,7 +734,10 @@ def main(argv=None) -> int:
     for t in sorted({r["threads"] for r in rows}):
         tg = issue22_targets(rows, t)
         if tg:
-            print_table(f"targets (issue 22), {t} thread(s)", tg, ["target", "goal", "measured", "met"])
+            print_table(f"targets (issue 22), {t} thread(s); roofline: the fraction of the row's lower bound "
+                        f"on time it reaches (the larger of the streaming read and its flops at the GEMM "
+                        f"rate; which of the two in brackets)", tg,
+                        ["target", "goal", "measured", "met", "roofline"])
         grid = grid_table(rows, t)
         if grid:
             print_table(f"issue 22's grid, {t} thread(s): attend / best peer (bars: <= 0.9; bw >= 0.8 "
