@@ -73,11 +73,21 @@ using Vec = VecAvx512;
 }  // namespace isa_avx512
 #pragma GCC pop_options
 
+// Only int8-cache tasks of 16-bit queries are instantiated here
+// (attend_typed): their integer loops fuse each multiply-add pair.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
+namespace isa_avx512vnni {
+using Vec = VecAvx512Vnni;
+#include "attend_kernel.h"  // NOLINT(build/include): instantiated per ISA
+}  // namespace isa_avx512vnni
+#pragma GCC pop_options
+
 // Only bf16 tasks are instantiated here (attend_typed); their chunk blocks
 // take the pair loops, their other scores qk_tile_bf16 (head_dim a multiple
 // of 32), the rest is VecAvx512's code.
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,avx2,fma,f16c")
 namespace isa_avx512bf16 {
 using Vec = VecAvx512Bf16;
 #include "attend_kernel.h"  // NOLINT(build/include): instantiated per ISA
@@ -139,11 +149,13 @@ std::atomic<int64_t>& min_split_setting() {
   return v;
 }
 
-enum class Isa { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+enum class Isa { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3, kAvx512Bf16 = 4 };
 
 // The best path this CPU runs, capped by KVCACHE_ATTEND_ISA (generic, avx2,
-// avx512 or avx512bf16; read once): tests force each path the machine has.
-// A cap above what the CPU has is the CPU's best.
+// avx512, avx512vnni or avx512bf16; read once): tests force each path the
+// machine has. A cap above what the CPU has is the CPU's best. avx512bf16
+// asks for AVX512-VNNI too (every CPU with AVX512-BF16 has it: Cooper Lake,
+// Sapphire Rapids, Zen 4 on).
 Isa isa() {
 #if KVCACHE_ATTEND_X86
   static const Isa chosen = [] {
@@ -155,7 +167,10 @@ Isa isa() {
       if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
           __builtin_cpu_supports("avx512vl")) {
         best = Isa::kAvx512;
-        if (__builtin_cpu_supports("avx512bf16")) best = Isa::kAvx512Bf16;
+        if (__builtin_cpu_supports("avx512vnni")) {
+          best = Isa::kAvx512Vnni;
+          if (__builtin_cpu_supports("avx512bf16")) best = Isa::kAvx512Bf16;
+        }
       }
     }
     Isa cap = Isa::kAvx512Bf16;
@@ -163,6 +178,7 @@ Isa isa() {
     if (env != nullptr && std::strcmp(env, "generic") == 0) cap = Isa::kGeneric;
     if (env != nullptr && std::strcmp(env, "avx2") == 0) cap = Isa::kAvx2;
     if (env != nullptr && std::strcmp(env, "avx512") == 0) cap = Isa::kAvx512;
+    if (env != nullptr && std::strcmp(env, "avx512vnni") == 0) cap = Isa::kAvx512Vnni;
     return std::min(best, cap);
   }();
   return chosen;
@@ -174,6 +190,7 @@ Isa isa() {
 const char* isa_name(Isa i) {
   switch (i) {
     case Isa::kAvx512Bf16: return "avx512bf16";
+    case Isa::kAvx512Vnni: return "avx512vnni";
     case Isa::kAvx512: return "avx512";
     case Isa::kAvx2: return "avx2";
     default: return "generic";
@@ -351,6 +368,11 @@ void attend_typed(const AttendParams& p) {
     task_fn = plan.ring ? &isa_avx2::run_task_ring<T, TKV> : &isa_avx2::run_task<T, TKV>;
   } else if (path >= Isa::kAvx512) {
     task_fn = plan.ring ? &isa_avx512::run_task_ring<T, TKV> : &isa_avx512::run_task<T, TKV>;
+    if constexpr (std::is_same_v<TKV, int8_t> && !std::is_same_v<T, float>) {
+      if (plan.i8dot && path >= Isa::kAvx512Vnni) {
+        task_fn = plan.ring ? &isa_avx512vnni::run_task_ring<T, TKV> : &isa_avx512vnni::run_task<T, TKV>;
+      }
+    }
     if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<TKV, c10::BFloat16>) {
       if (plan.bf16dot || plan.bf16qk) {
         task_fn = plan.ring ? &isa_avx512bf16::run_task_ring<T, TKV> : &isa_avx512bf16::run_task<T, TKV>;

@@ -21,7 +21,8 @@
 //   (dst[c * ldd + r] = src[r * lds + c] for an 8 x 8 float tile: the chunk
 //   kernels' key packing, whatever kLanes is); and kI8Dot / I8, whether int8
 //   caches with 16-bit queries take integer dot products, and their
-//   primitives (I8DotAvx2, for AVX2 and AVX-512; void for the portable flavour);
+//   primitives (I8DotAvx2, for AVX2 and AVX-512; I8DotAvx512Vnni with
+//   AVX512-VNNI; void for the portable flavour);
 //   kBf16Dot / Bf16, whether bf16 tasks over a bf16 cache take bf16 pair dot
 //   products and their primitives (Bf16DotAvx512, for VecAvx512Bf16 only;
 //   void elsewhere).
@@ -558,12 +559,35 @@ struct VecAvx512 {
 
 #pragma GCC pop_options
 
+// AVX512-VNNI (vpdpwssd: the int16 pair products summed into each int32
+// lane and added to it, one instruction): I8DotAvx2's loops with each
+// vpmaddwd + vpaddd fused, in the same 256-bit registers. The sums are the
+// same integers (the pair sums fit int32, see I8DotAvx2), so the results
+// are bit-identical to the avx512 path's; the integer loops' body loses
+// nearly half its instructions (the key widening and loads stay).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
+
+struct I8DotAvx512Vnni : I8DotAvx2 {
+  static inline VI dot_acc(VI acc, VI q, VI k) { return _mm256_dpwssd_epi32(acc, q, k); }
+};
+
+// VecAvx512 with the fused integer loops for int8 caches (I8DotAvx512Vnni):
+// the kernel path on CPUs with AVX512-VNNI (attend.cpp instantiates only the
+// int8-cache tasks of 16-bit queries for it; every other task runs VecAvx512).
+struct VecAvx512Vnni : VecAvx512 {
+  static constexpr const char* kName = "avx512vnni";
+  using I8 = I8DotAvx512Vnni;
+};
+
+#pragma GCC pop_options
+
 // AVX512-BF16 (vdpbf16ps: two bf16 products summed into each float32 lane):
 // the primitives of the bf16 chunk loops (attend_kernel.h, "Chunks on bf16
 // pairs"). A W holds 16 pairs, one 32-bit word each, the lower-addressed
 // bf16 in the low half (the order of a bf16 row in memory).
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,avx2,fma,f16c")
 
 struct Bf16DotAvx512 {
   using V = __m512;
@@ -628,10 +652,11 @@ struct Bf16DotAvx512 {
   }
 };
 
-// VecAvx512 with the bf16 pair loops for bf16 chunks (Bf16DotAvx512): the
-// kernel path on CPUs with AVX512-BF16 (attend.cpp instantiates only the
-// bf16-cache tasks for it; every other dtype runs VecAvx512).
-struct VecAvx512Bf16 : VecAvx512 {
+// VecAvx512Vnni with the bf16 pair loops for bf16 tasks (Bf16DotAvx512):
+// the kernel path on CPUs with AVX512-BF16 and AVX512-VNNI (every CPU with
+// the first has the second; attend.cpp instantiates only the bf16-cache
+// tasks for it; int8 caches run VecAvx512Vnni, every other dtype VecAvx512).
+struct VecAvx512Bf16 : VecAvx512Vnni {
   static constexpr const char* kName = "avx512bf16";
   static constexpr bool kBf16Dot = true;
   using Bf16 = Bf16DotAvx512;

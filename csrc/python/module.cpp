@@ -100,11 +100,13 @@ Returns:
       R"doc(Returns the instruction-set path the CPU attend kernel takes here.
 
 Returns:
-  str: ``"avx512bf16"`` (the avx512 path, with AVX512-BF16 dot products
-  for bf16 chunks), ``"avx512"`` (AVX-512 F/BW/VL), ``"avx2"``
-  (AVX2/FMA/F16C) or ``"generic"`` (the portable code). The environment
-  variable ``KVCACHE_ATTEND_ISA=generic|avx2|avx512|avx512bf16`` (read once)
-  caps the choice.
+  str: ``"avx512bf16"`` (the avx512vnni path, with AVX512-BF16 dot
+  products for bf16 caches), ``"avx512vnni"`` (the avx512 path, with
+  AVX512-VNNI integer dot products for int8 caches), ``"avx512"`` (AVX-512
+  F/BW/VL), ``"avx2"`` (AVX2/FMA/F16C) or ``"generic"`` (the portable
+  code). The environment variable
+  ``KVCACHE_ATTEND_ISA=generic|avx2|avx512|avx512vnni|avx512bf16`` (read
+  once) caps the choice.
 )doc");
 
   m.def(

@@ -359,7 +359,7 @@ def test_attend_cpu_tuning_rejects_bad_values():
     with pytest.raises(ValueError, match="gemm_rows"):
         kvcache._C.set_attend_cpu_tuning(gemm_rows=0)
     assert kvcache._C.attend_cpu_tuning() == saved
-    assert kvcache._C.attend_cpu_isa() in ("avx512bf16", "avx512", "avx2", "generic")
+    assert kvcache._C.attend_cpu_isa() in ("avx512bf16", "avx512vnni", "avx512", "avx2", "generic")
 
 
 def test_ragged_batch_parallel_prefill():
@@ -386,7 +386,9 @@ def _cpu_has_avx2() -> bool:
 # What each forced path needs of the CPU (KVCACHE_ATTEND_ISA caps the kernel's choice).
 ISA_FLAGS = {"generic": set(), "avx2": {"avx2", "fma", "f16c"},
              "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"},
-             "avx512bf16": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}}
+             "avx512vnni": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"},
+             "avx512bf16": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                            "avx512_bf16"}}
 
 ISA_SCRIPT = """
 import sys, torch
@@ -420,7 +422,7 @@ torch.save(outs, sys.argv[1])
 """
 
 
-@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512", "avx512bf16"])
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512", "avx512vnni", "avx512bf16"])
 def test_forced_isa_path(isa, tmp_path):
     """Each kernel path the CPU has (KVCACHE_ATTEND_ISA=isa), against the float64 reference."""
     if not ISA_FLAGS[isa] <= _cpu_flags():

@@ -189,3 +189,37 @@ def test_the_integer_loops_ran(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     here = check(2, 9, 3, 2, 64, 300, [300, 77], torch.float16, q_scale=0.6)[0]
     assert not torch.equal(torch.load(path), here)
+
+
+AVX512_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {here!r})
+import kvcache
+import test_attend_int8_dot as t
+assert kvcache._C.attend_cpu_isa() == "avx512"
+torch.save(t.vnni_cases(), sys.argv[1])
+"""
+
+
+def vnni_cases():
+    """Outputs of int8-cache calls that cover the integer loops' tiles: decode over 1-4 query rows
+    a tile, a chunk, odd slot counts and a tail block (each checked against float64 by check)."""
+    return [check(1, 9, 3, 1, 64, 300, [299], torch.bfloat16)[0],
+            check(2, 8, 2, 3, 128, 200, [200, 77], torch.float16)[0],
+            check(1, 4, 4, 1, 256, 130, [129], torch.bfloat16)[0],
+            check(1, 8, 2, 5, 96, 150, [141], torch.bfloat16, q_scale=0.6)[0]]
+
+
+def test_vnni_loops_match_the_avx512_ones(tmp_path):
+    """On AVX512-VNNI (the avx512vnni and avx512bf16 paths) the integer loops fuse each multiply
+    and add (vpdpwssd); their int32 sums are the same integers, so the outputs are bit-identical
+    to the avx512 path's (KVCACHE_ATTEND_ISA=avx512), and both are within tolerance."""
+    if kvcache._C.attend_cpu_isa() not in ("avx512vnni", "avx512bf16"):
+        pytest.skip("this CPU has no AVX512-VNNI path")
+    path = tmp_path / "avx512.pt"
+    env = dict(os.environ, KVCACHE_ATTEND_ISA="avx512")
+    proc = subprocess.run([sys.executable, "-c", AVX512_SCRIPT.format(here=HERE), str(path)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for a, b in zip(torch.load(path), vnni_cases()):
+        assert torch.equal(a, b)

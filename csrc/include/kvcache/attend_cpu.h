@@ -37,10 +37,11 @@ KVCACHE_API AttendCpuTuning attend_cpu_tuning();
 KVCACHE_API void set_attend_cpu_tuning(const AttendCpuTuning& tuning);
 
 /// The instruction-set path the kernel takes on this machine: "avx512bf16"
-/// (the avx512 path, with bf16 dot products for bf16 chunks), "avx512",
-/// "avx2" or "generic". KVCACHE_ATTEND_ISA=generic|avx2|avx512|avx512bf16
-/// (read once) caps the choice at that path (tests force each path the CPU
-/// has).
+/// (the avx512vnni path, with bf16 dot products for bf16 caches),
+/// "avx512vnni" (the avx512 path, with fused integer dot products for int8
+/// caches), "avx512", "avx2" or "generic".
+/// KVCACHE_ATTEND_ISA=generic|avx2|avx512|avx512vnni|avx512bf16 (read once)
+/// caps the choice at that path (tests force each path the CPU has).
 KVCACHE_API std::string attend_cpu_isa();
 
 }  // namespace kvcache
