@@ -167,6 +167,17 @@ def test_ring_runs_and_gathered_blocks():
         torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+def run_forced_isa(isa, script, tmp_path):
+    """What `script` (formatted with here=HERE) saves to the path in its argv[1], run in a
+    subprocess whose kernel path is capped at `isa` (KVCACHE_ATTEND_ISA)."""
+    path = tmp_path / f"{isa}.pt"
+    env = dict(os.environ, KVCACHE_ATTEND_ISA=isa)
+    proc = subprocess.run([sys.executable, "-c", script.format(here=HERE), str(path)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(path)
+
+
 GENERIC_SCRIPT = """
 import sys, torch
 sys.path.insert(0, {here!r})
@@ -182,13 +193,9 @@ def test_the_integer_loops_ran(tmp_path):
     other bits: the integer loops really ran here (and both are within tolerance)."""
     if kvcache._C.attend_cpu_isa() == "generic":
         pytest.skip("this CPU runs the float loops only")
-    path = tmp_path / "generic.pt"
-    env = dict(os.environ, KVCACHE_ATTEND_ISA="generic")
-    proc = subprocess.run([sys.executable, "-c", GENERIC_SCRIPT.format(here=HERE), str(path)],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    there = run_forced_isa("generic", GENERIC_SCRIPT, tmp_path)
     here = check(2, 9, 3, 2, 64, 300, [300, 77], torch.float16, q_scale=0.6)[0]
-    assert not torch.equal(torch.load(path), here)
+    assert not torch.equal(there, here)
 
 
 AVX512_SCRIPT = """
@@ -216,10 +223,5 @@ def test_vnni_loops_match_the_avx512_ones(tmp_path):
     to the avx512 path's (KVCACHE_ATTEND_ISA=avx512), and both are within tolerance."""
     if kvcache._C.attend_cpu_isa() not in ("avx512vnni", "avx512bf16"):
         pytest.skip("this CPU has no AVX512-VNNI path")
-    path = tmp_path / "avx512.pt"
-    env = dict(os.environ, KVCACHE_ATTEND_ISA="avx512")
-    proc = subprocess.run([sys.executable, "-c", AVX512_SCRIPT.format(here=HERE), str(path)],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for a, b in zip(torch.load(path), vnni_cases()):
+    for a, b in zip(run_forced_isa("avx512", AVX512_SCRIPT, tmp_path), vnni_cases()):
         assert torch.equal(a, b)
