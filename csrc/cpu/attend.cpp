@@ -356,6 +356,10 @@ void attend_typed(const AttendParams& p) {
   plan.bf16dot = bf16_pairs && plan.gemm && plan.fast_v && p.k_stride[2] % 2 == 0;
   plan.bf16qk = bf16_pairs && p.head_dim % 32 == 0;
   plan.bf16pv = plan.bf16qk && plan.fast_v;
+  // Linear bf16 tasks score every block on the bf16 queries (sc.qh): the
+  // pair chunks (bf16dot) or, below gemm_rows rows, qk_tile_bf16. Rings
+  // gather blocks that are not consecutive into float32 rows (sc.q's loops).
+  plan.f32_queries = !(plan.bf16qk && !plan.ring && (!plan.gemm || plan.bf16dot));
   if (p.softcap > 0.f) {
     plan.qscale = p.scale / p.softcap;
     plan.cap = p.softcap * kLog2e;

@@ -1184,9 +1184,10 @@ constexpr bool kBf16Pairs =
     Vec::kBf16Dot && std::is_same_v<T, c10::BFloat16> && std::is_same_v<TKV, c10::BFloat16>;
 
 // A task's start, for linear and ring tasks alike: its queries (the G heads
-// of KV head t.kvh at positions [t.i0, t.i1)) scaled into sc.q (and rounded
-// into sc.q16 for the integer loops), and the online-softmax state (output,
-// running max, running sum) reset.
+// of KV head t.kvh at positions [t.i0, t.i1)) scaled into sc.q where a block
+// may read them (Plan::f32_queries; rounded into sc.q16 for the integer
+// loops), copied as given into sc.qh for the bf16 pair loops, and the
+// online-softmax state (output, running max, running sum) reset.
 template <typename T, typename TKV>
 inline void start_task(const Plan& plan, const Task& t, Scratch& sc) {
   const AttendParams& p = *plan.p;
@@ -1194,11 +1195,20 @@ inline void start_task(const Plan& plan, const Task& t, Scratch& sc) {
   const int64_t nt = t.i1 - t.i0;
   const int64_t rows = G * nt;
   const T* qbase = static_cast<const T*>(p.q) + t.b * p.q_stride[0];
-  for (int64_t ti = 0; ti < nt; ++ti) {
-    for (int64_t g = 0; g < G; ++g) {
-      const T* src = qbase + (t.kvh * G + g) * p.q_stride[1] + (t.i0 + ti) * p.q_stride[2];
-      float* dst = sc.q.data() + (ti * G + g) * Dp;
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d * p.q_stride[3]]) * plan.qscale;
+  // Rows of unit element stride and whole vectors are widened by vectors.
+  const bool vec_rows = p.q_stride[3] == 1 && D % Vec::kLanes == 0;
+  if (plan.f32_queries) {
+    const typename Vec::V qs = Vec::set1(plan.qscale);
+    for (int64_t ti = 0; ti < nt; ++ti) {
+      for (int64_t g = 0; g < G; ++g) {
+        const T* src = qbase + (t.kvh * G + g) * p.q_stride[1] + (t.i0 + ti) * p.q_stride[2];
+        float* dst = sc.q.data() + (ti * G + g) * Dp;
+        if (vec_rows) {
+          for (int64_t d = 0; d < D; d += Vec::kLanes) Vec::store(dst + d, Vec::mul(Vec::load(src + d), qs));
+        } else {
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d * p.q_stride[3]]) * plan.qscale;
+        }
+      }
     }
   }
   if constexpr (kI8Dot<TKV>) {
@@ -1210,7 +1220,11 @@ inline void start_task(const Plan& plan, const Task& t, Scratch& sc) {
         for (int64_t g = 0; g < G; ++g) {
           const T* src = qbase + (t.kvh * G + g) * p.q_stride[1] + (t.i0 + ti) * p.q_stride[2];
           c10::BFloat16* dst = sc.qh.data() + (ti * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = src[d * p.q_stride[3]];
+          if (p.q_stride[3] == 1) {
+            std::memcpy(dst, src, size_t(D) * sizeof(c10::BFloat16));
+          } else {
+            for (int64_t d = 0; d < D; ++d) dst[d] = src[d * p.q_stride[3]];
+          }
         }
       }
     }

@@ -70,6 +70,10 @@ struct Plan {
   // the weight pass on bf16 pairs as well (pv_block_bf16), the weights
   // rounded to bf16 once per block.
   bool bf16pv = false;
+  // Whether any block reads the task's float32 scaled queries (sc.q): all
+  // but linear bf16 tasks whose every block takes the bf16 pair loops (the
+  // scores of those read the bf16 queries as given, sc.qh).
+  bool f32_queries = true;
   // Scores in log2 units: q is scaled by scale * log2(e); with a softcap,
   // by scale / softcap, and the score becomes cap * tanh(q.k) with
   // cap = softcap * log2(e).

@@ -290,6 +290,10 @@ def test_bf16_decode_every_group_and_tile_edge(group, d):
 @pytest.mark.parametrize("q_layout", ["transposed", "strided"])
 def test_query_layouts(q_layout, device):
     check(2, 8, 4, 6, 128, 100, [100, 50], q_layout=q_layout, kv_layout="transposed", device=device)
+    # bf16 queries over a bf16 cache in place: the pair loops read the queries as given (a
+    # decode, and a chunk of 40 x 4 rows that takes the GEMM loops on CPU).
+    check(2, 8, 2, 1, 64, 100, [100, 51], torch.bfloat16, q_layout=q_layout, device=device)
+    check(1, 8, 2, 40, 64, 300, [299], torch.bfloat16, q_layout=q_layout, device=device)
 
 
 # --------------------------------------------------- threads and splits ---
