@@ -639,6 +639,22 @@ void pv_rows_all(const float* p, int64_t ldp, const TV* v, int64_t ldv,
   }
 }
 
+// The weight pass's chunks [j, e) of `chunk` slots over n values read in
+// place: before each, the value stream asked for kStreamAhead bytes ahead
+// (continuing into the next block's rows, ahead.v), then f(j, e).
+template <typename TV, typename F>
+inline void for_value_chunks(const TV* v, int64_t ldv, int64_t n, const Ahead& ahead, int64_t chunk,
+                             F&& f) {
+  const char* const vc = reinterpret_cast<const char*>(v);
+  const int64_t ldvb = ldv * int64_t(sizeof(TV));
+  const int64_t dist = stream_distance(ahead);
+  for (int64_t j = 0; j < n; j += chunk) {
+    const int64_t e = std::min(n, j + chunk);
+    prefetch_stream(vc, ahead.v, ldvb, ahead.ldv, n, ahead.rows, j + dist, e + dist, ahead.row_bytes);
+    f(j, e);
+  }
+}
+
 // O[:rows] = alpha O + P V over n slots. Values read in place (ahead: their
 // row geometry and the next block's rows) go by chunks of ahead->pv_chunk
 // slots, each asking for the value stream kStreamAhead bytes ahead; a packed
@@ -651,16 +667,10 @@ void pv_block(const float* p, int64_t ldp, const TV* v, int64_t ldv,
     pv_rows_all(p, ldp, v, ldv, n, o, ldo, alpha, rows, dim);
     return;
   }
-  const char* const vc = reinterpret_cast<const char*>(v);
-  const int64_t ldvb = ldv * int64_t(sizeof(TV));
-  const int64_t dist = stream_distance(*ahead);
-  for (int64_t j = 0; j < n; j += ahead->pv_chunk) {
-    const int64_t e = std::min(n, j + ahead->pv_chunk);
-    prefetch_stream(vc, ahead->v, ldvb, ahead->ldv, n, ahead->rows, j + dist, e + dist,
-                    ahead->row_bytes);
+  for_value_chunks(v, ldv, n, *ahead, ahead->pv_chunk, [&](int64_t j, int64_t e) {
     // alpha rescales O once, with the block's first chunk.
     pv_rows_all(p + j, ldp, v + j * ldv, ldv, e - j, o, ldo, j == 0 ? alpha : nullptr, rows, dim);
-  }
+  });
 }
 
 // ---- Decode weights on bf16 pairs (Plan::bf16pv) ------------------------
@@ -776,10 +786,10 @@ void pv_rows_all_bf16(const c10::BFloat16* pb, const c10::BFloat16* v, int64_t l
 }
 
 // As pv_block, for bf16 values on bf16 pairs: the weights P (rows x n,
-// ldp apart, zero from column n to the next multiple of Vec::kLanes, as
-// softmax_row leaves them) rounded into pb (rows x kBlock), then the chunks
-// of pv_block (an even number of slots each, so only a block's last chunk
-// can end on an unpaired slot).
+// ldp apart; by whole vectors, so up to the next multiple of Vec::kLanes,
+// columns that are never used) rounded into pb (rows x kBlock), then the
+// chunks of pv_block (an even number of slots each, so only a block's last
+// chunk can end on an unpaired slot).
 template <typename Dot>
 void pv_block_bf16(const float* p, int64_t ldp, const c10::BFloat16* v, int64_t ldv, int64_t n, float* o,
                    int64_t ldo, const float* alpha, int64_t rows, int64_t dim, c10::BFloat16* pb,
@@ -791,16 +801,10 @@ void pv_block_bf16(const float* p, int64_t ldp, const c10::BFloat16* v, int64_t 
     pv_rows_all_bf16<Dot>(pb, v, ldv, n, o, ldo, alpha, rows, dim);
     return;
   }
-  const char* const vc = reinterpret_cast<const char*>(v);
-  const int64_t ldvb = ldv * int64_t(sizeof(c10::BFloat16));
-  const int64_t dist = stream_distance(*ahead);
   const int64_t chunk = std::max<int64_t>(2, ahead->pv_chunk & ~int64_t(1));
-  for (int64_t j = 0; j < n; j += chunk) {
-    const int64_t e = std::min(n, j + chunk);
-    prefetch_stream(vc, ahead->v, ldvb, ahead->ldv, n, ahead->rows, j + dist, e + dist,
-                    ahead->row_bytes);
+  for_value_chunks(v, ldv, n, *ahead, chunk, [&](int64_t j, int64_t e) {
     pv_rows_all_bf16<Dot>(pb + j, v + j * ldv, ldv, e - j, o, ldo, j == 0 ? alpha : nullptr, rows, dim);
-  }
+  });
 }
 
 // Widens n cached rows (any element stride) to float32, dim_pad apart
