@@ -63,7 +63,10 @@ view" (folded groups), "SDPA prefix, enable_gqa", compiled
 ``custom_sdpa`` when ``executorch`` is importable (skipped otherwise);
 ``vs_best`` is attend's time over the fastest peer's. The CPU model and the
 kernel's ISA path head the output. ``--busy`` runs a spinning process
-beside the benchmark (the other core busy).
+beside the benchmark (the other core busy). ``--isa avx2`` (or ``generic``,
+``avx512``) runs everything as on a CPU with no more than that instruction
+set: our kernel and the peers' libraries (ATen, oneDNN, MKL) alike, see
+``isa_cap.py``; ``KVCACHE_ATTEND_ISA`` alone would cap only ours.
 
 At 1 thread each method is also timed in CPU time of the calling thread
 (``cpu_us``): on a machine shared with other work, wall time includes the
@@ -81,10 +84,13 @@ import subprocess
 import sys
 from typing import Dict, List, Optional
 
-import torch
-import torch.nn.functional as F
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import isa_cap  # noqa: E402  (no torch import: --isa re-executes before torch loads)
+
+isa_cap.apply()
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 import kvcache  # noqa: E402
 from common import (  # noqa: E402
@@ -618,6 +624,7 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per case (spread = their range)")
     p.add_argument("--flex", action="store_true", help="also time compiled flex_attention (compiles per shape)")
     p.add_argument("--busy", action="store_true", help="run a spinning process beside the benchmark")
+    isa_cap.add_arg(p)
     p.add_argument("--head-dims", type=int, nargs="+", default=[HEAD_DIM],
                    help="head_dims of the decode and chunk cases (issue 22's grid: 64 128 256)")
     p.add_argument("--batches", type=int, nargs="+", default=[1],
@@ -715,6 +722,7 @@ def main(argv=None) -> int:
           f"{args.rounds} rounds of {args.min_time / args.rounds:.2f} s per method")
     print(f"CPU: {env['cpu_model']}; attend kernel ISA: {env['attend_isa']}; L2 {l2_bytes() // 1024} KiB"
           f"{'; a spinning process beside the benchmark (--busy)' if args.busy else ''}")
+    print(f"peer library caps (--isa): {env['peer_caps']}")
     rows: List[dict] = []
     with torch.inference_mode(), busy_core(args.busy):
         for case in args.cases:

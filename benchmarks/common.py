@@ -25,6 +25,8 @@ from torch.utils import benchmark
 
 import kvcache
 
+import isa_cap  # benchmarks/ is on sys.path: every benchmark imports common from there
+
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -127,15 +129,28 @@ def spread(row: dict) -> str:
 
 
 def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), or platform.processor() elsewhere."""
+    """The CPU's model name with its family and model numbers (/proc/cpuinfo), or platform.processor().
+
+    Virtual machines often report a bare name ("AMD EPYC"), which hides the generation a figure
+    belongs to (family 25 is Zen 3/4, 26 is Zen 5; Intel's model numbers name the core), so the
+    numbers are appended whenever /proc/cpuinfo has them.
+    """
+    fields: Dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break  # the first processor's block is enough
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    name = fields.get("model name")
+    if name is None:
+        return platform.processor() or "unknown"
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
 
 
 def attend_isa() -> str:
@@ -167,6 +182,7 @@ def environment(device: torch.device) -> dict:
     return dict(
         cpu_model=cpu_model(),
         attend_isa=attend_isa() if device.type == "cpu" else None,
+        peer_caps=isa_cap.describe() if device.type == "cpu" else None,
         torch=torch.__version__,
         device=str(device),
         python=platform.python_version(),
