@@ -249,6 +249,19 @@ if not SDIST_ONLY:
         headers (kvcache/include) and the CMake package config
         (kvcache/share/cmake/kvcache)."""
 
+        def finalize_options(self):
+            super().finalize_options()
+            # Objects go to one fixed folder per configuration under this tree's build/
+            # (setuptools' editable builds would use a fresh temporary one): ninja then
+            # recompiles only what changed since the last build, and two trees (the
+            # checkout, an unpacked sdist) compile with the same relative paths, which
+            # ccache needs to share its cache between them (scripts/ccache_env.sh). An
+            # explicit --build-temp is kept.
+            if "build_temp" not in self.distribution.get_option_dict("build_ext"):
+                backend = "cuda" if WITH_CUDA else "cpu"
+                tag = f"{backend}-torch{torch.__version__.split('+')[0]}-py{sys.version_info[0]}{sys.version_info[1]}"
+                self.build_temp = os.path.join(ROOT, "build", f"temp-{tag}{'-debug' if DEBUG else ''}")
+
         def run(self):
             super().run()
             pkg = os.path.dirname(self.get_ext_fullpath(LIB_NAME))

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The route a new user takes, tested end to end:
 #   1. `python -m build --no-isolation`: an sdist of this tree, then a wheel
-#      built from the unpacked sdist (so the sdist must be complete);
+#      built in the unpacked sdist (so the sdist must be complete), through
+#      ccache: the editable build's objects serve it (scripts/ccache_env.sh);
 #   2. the wheel installed into a FRESH virtual environment with torch pinned
 #      (torch==2.13.0 by default; never an unpinned torch);
 #   3. the README's Python example there (init, update, append, attend),
@@ -19,6 +20,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/pip_quiet.sh
 . scripts/pip_quiet.sh
+# shellcheck source=scripts/ccache_env.sh
+. scripts/ccache_env.sh
 ROOT=$PWD
 VENV=${KVCACHE_VENV:-.venv}
 TORCH_SPEC=${KVCACHE_TORCH:-torch==2.13.0}
@@ -36,17 +39,45 @@ mkdir -p "$OUT"
 # (cd /: the tree's build/ folder would pass for the package)
 (cd / && python -c "import build.__main__") 2>/dev/null || pip_quiet build
 
-echo "== sdist, then a wheel from it (python -m build --no-isolation)"
+echo "== sdist, then a wheel built from the unpacked sdist"
 start=$(date +%s)
-if ! python -m build --no-isolation --outdir "$OUT/dist" . >"$OUT/build.log" 2>&1; then
+if ! python -m build --no-isolation --sdist --outdir "$OUT/dist" . >"$OUT/build.log" 2>&1; then
   grep -E "error|Error|FAILED" "$OUT/build.log" | head -40 >&2
-  echo "check_wheel: python -m build failed (full log: $OUT/build.log)" >&2
+  echo "check_wheel: python -m build --sdist failed (full log: $OUT/build.log)" >&2
   exit 1
+fi
+sdist=$(ls "$OUT"/dist/kvcache-*.tar.gz)
+mkdir -p "$OUT/src"
+tar -xzf "$sdist" -C "$OUT/src"
+src=$(ls -d "$OUT"/src/kvcache-*/)
+src=${src%/}
+# The wheel is built in the unpacked sdist (so the sdist must be complete),
+# by the build venv's python reached through a link at the same place
+# relative to the tree as in the checkout: the compiles then read the same
+# relative paths as the editable build's, and ccache serves them
+# (scripts/ccache_env.sh). A venv outside the checkout is used as it is: its
+# paths stay absolute, the same from both trees.
+venv_abs=$(cd "$VENV" && pwd -P)
+build_python=$venv_abs/bin/python
+case "$venv_abs/" in
+  "$(pwd -P)/"*) ln -sfn "$venv_abs" "$src/.venv"; build_python=./.venv/bin/python ;;
+esac
+use_ccache "$ROOT"
+command -v ccache >/dev/null && ccache -z >/dev/null 2>&1 || true
+if ! (cd "$src" && "$build_python" -m build --no-isolation --wheel --outdir "$OUT/dist" .) \
+     >>"$OUT/build.log" 2>&1; then
+  grep -E "error|Error|FAILED" "$OUT/build.log" | head -40 >&2
+  echo "check_wheel: the wheel build from the sdist failed (full log: $OUT/build.log)" >&2
+  exit 1
+fi
+if [ "${KVCACHE_CCACHE:-1}" != 0 ] && command -v ccache >/dev/null; then
+  echo "   ccache over the wheel's compiles: $(ccache --print-stats 2>/dev/null \
+    | awk -F'\t' '$1 == "direct_cache_hit" || $1 == "preprocessed_cache_hit" { h += $2 }
+                   $1 == "cache_miss" { m += $2 } END { printf "%d hits, %d misses", h, m }')"
 fi
 # The sdist step leaves its metadata in python/; an editable install's sys.path
 # entry would see it as a second kvcache distribution.
 rm -rf python/kvcache.egg-info
-sdist=$(ls "$OUT"/dist/kvcache-*.tar.gz)
 wheel=$(ls "$OUT"/dist/kvcache-*.whl)
 echo "   $(basename "$sdist") ($(du -k "$sdist" | cut -f1) KiB), $(basename "$wheel") ($(du -k "$wheel" | cut -f1) KiB), in $(elapsed "$start")"
 python - "$sdist" "$wheel" <<'PY'

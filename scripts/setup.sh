@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Sets up a fresh machine for kvcache: system packages (Debian), a virtual
-# environment in .venv with torch==2.13.0 (CPU), and an editable build.
+# Sets up a fresh machine for kvcache: system packages (Debian; ccache
+# among them), a virtual environment in .venv with torch==2.13.0 (CPU), and
+# an editable build through ccache (scripts/ccache_env.sh).
 # Idempotent: a second run reinstalls nothing and rebuilds only if C++ changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,6 +9,8 @@ cd "$(dirname "$0")/.."
 . scripts/pip_quiet.sh
 # shellcheck source=scripts/apt_install.sh
 . scripts/apt_install.sh
+# shellcheck source=scripts/ccache_env.sh
+. scripts/ccache_env.sh
 
 PYTHON=${PYTHON:-python3}
 VENV=${KVCACHE_VENV:-.venv}
@@ -19,6 +22,8 @@ command -v ninja >/dev/null || need_apt+=(ninja-build)
 command -v g++ >/dev/null || need_apt+=(g++)
 [ -e /usr/include/catch2/catch.hpp ] || [ -e /usr/include/catch2/catch_test_macros.hpp ] \
   || [ -e /usr/local/include/catch2/catch_test_macros.hpp ] || need_apt+=(catch2)
+# ccache: scripts/check_wheel.sh's wheel then compiles from the cache (KVCACHE_CCACHE=0: none).
+[ "${KVCACHE_CCACHE:-1}" = 0 ] || command -v ccache >/dev/null || need_apt+=(ccache)
 [ ${#need_apt[@]} -eq 0 ] || apt_install "${need_apt[@]}"
 
 if [ ! -x "$VENV/bin/python" ]; then
@@ -40,8 +45,10 @@ pip_quiet "$TORCH_SPEC" "setuptools>=77" ninja \
   "transformers==5.24.0" "gguf==0.19.0" "accelerate==1.15.0"
 python -c "import torch" >/dev/null  # fail here, clearly, if torch did not install
 
-# pip rebuilds every extension from scratch: skip it when the installed
-# editable build is newer than every C++ source and the build scripts.
+# A rebuild recompiles only the sources that changed (setup.py keeps the
+# objects in build/temp-*, ninja tracks them), but pip's own steps still take
+# a while: skip it when the installed editable build is newer than every C++
+# source and the build scripts.
 if python - <<'PY' 2>/dev/null; then
 import glob, os, sys
 import kvcache  # fails (rebuild) if built for another torch
@@ -54,6 +61,7 @@ PY
 else
   echo "== building kvcache (pip install --no-build-isolation -e .)"
   start=$(date +%s)
+  use_ccache "$PWD"
   pip_quiet --no-build-isolation --no-deps -e .
   echo "== build took $(( $(date +%s) - start ))s"
 fi

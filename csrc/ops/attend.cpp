@@ -69,8 +69,16 @@ AttendRows check_attend(const at::Tensor& q, const at::Tensor& keys,
   const auto dev = q.device();
   const KvFormat format = format_of(keys.scalar_type());
   if (format == KvFormat::kPlain) {
-    check_dtype(keys, q.scalar_type(), "keys", "the dtype of q");
-    check_dtype(values, q.scalar_type(), "values", "the dtype of q");
+    // The cache's dtype is the user's choice and q's the model's: name both,
+    // and the cast that fixes it, rather than blame the cache.
+    TORCH_CHECK_TYPE(keys.scalar_type() == q.scalar_type(), "q is ",
+                     py_dtype(q.scalar_type()), " but the cache's keys are ",
+                     py_dtype(keys.scalar_type()),
+                     ": q and the cache must have one dtype (no implicit "
+                     "casts): pass q.to(",
+                     py_dtype(keys.scalar_type()),
+                     ") or make the cache in q's dtype");
+    check_dtype(values, keys.scalar_type(), "values", "the dtype of keys");
     TORCH_CHECK_VALUE(!k_scale.has_value() && !v_scale.has_value(),
                       "k_scale and v_scale are the scales of a quantized "
                       "cache (torch.int8 or torch.float8_e4m3fn keys and "

@@ -475,9 +475,10 @@ ERRORS = [
     (TypeError, r"q must be a torch.float32, torch.bfloat16 or torch.float16 tensor, got torch.float64",
      args(q=torch.randn(B, H, S, D, dtype=torch.float64), keys=torch.randn(B, KVH, T, D, dtype=torch.float64),
           values=torch.randn(B, KVH, T, D, dtype=torch.float64)), {}),
-    (TypeError, r"keys must have the dtype of q torch.float32 \(no implicit casts\), got torch.float16",
+    (TypeError, r"q is torch.float32 but the cache's keys are torch.float16: q and the cache must have one "
+                r"dtype \(no implicit casts\): pass q.to\(torch.float16\)",
      args(keys=torch.randn(B, KVH, T, D).half()), {}),
-    (TypeError, r"values must have the dtype of q torch.float32 .* got torch.bfloat16",
+    (TypeError, r"values must have the dtype of keys torch.float32 .* got torch.bfloat16",
      args(values=torch.randn(B, KVH, T, D).bfloat16()), {}),
     (ValueError, r"keys must be on the device of q \(cpu\), got meta", args(keys=torch.empty(B, KVH, T, D, device="meta")), {}),
     (ValueError, r"lengths must be on the cache's device \(cpu\), got meta",

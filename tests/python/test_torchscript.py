@@ -25,7 +25,8 @@ def script(module):
 
 def find_or_build_runner() -> str:
     """KVCACHE_RUNNER (scripts/test.sh sets it), or kvcache_run built with CMake
-    against the running torch in build/runner-<torch version>/ when missing.
+    against the running torch in build/runner-<torch version>/ when missing (linked
+    to the imported package's libkvcache.so: only the runner's source compiles).
 
     Fails showing cmake's output when the build fails; skips when cmake (or,
     for a CUDA torch, the CUDA toolkit its CMake config needs) is missing.
@@ -73,8 +74,11 @@ def find_or_build_runner() -> str:
         return path
     if shutil.which("cmake") is None:
         pytest.skip("cmake is not installed: cannot build kvcache_run")
+    # The runner links the library this process imported (through its package config): one
+    # source file to compile, not the whole library again.
+    package = os.path.dirname(os.path.abspath(kvcache.__file__))
     args = ["cmake", "-S", ROOT, "-B", build, f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
-            "-DKVCACHE_BUILD_TESTS=OFF"]
+            "-DKVCACHE_BUILD_TESTS=OFF", f"-DKVCACHE_PREBUILT_PACKAGE={package}"]
     if torch.version.cuda is not None:
         args += cuda_args()
     run(args, "configuring kvcache_run")

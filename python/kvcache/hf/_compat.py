@@ -21,7 +21,8 @@ try:
     from transformers.modeling_utils import AttentionInterface  # noqa: F401
 except ImportError as e:  # pragma: no cover - exercised only without transformers
     raise ImportError(
-        "kvcache.hf needs Hugging Face transformers (5.18 or newer): pip install 'kvcache[hf]' "
+        "kvcache.hf needs Hugging Face transformers (5.18 or newer): pip install 'transformers>=5.18' "
+        "(kvcache is not on the package index; in a source checkout, scripts/setup.sh installs it) "
         f"(import failed: {e})"
     ) from e
 
