@@ -567,14 +567,19 @@ def select_rows_kv_layer_cache(cache: KVLayerCache, index: torch.Tensor) -> KVLa
     Raises:
         ValueError: An index out of range (CPU; nothing changes; on CUDA
             nothing is written and every length becomes -1), shapes and
-            devices that do not fit, or a ``cache.length`` that cannot be
-            written in place (an ``expand()``ed view). Nothing is moved.
-        TypeError: If ``index`` is not an integer tensor.
+            devices that do not fit (a quantized cache's ``k_scale`` /
+            ``v_scale`` must be ``(batch, num_kv_heads, max_len)``), scales
+            that share memory with each other, the keys or the values, or a
+            ``cache.length`` that cannot be written in place (an
+            ``expand()``ed view). Nothing is moved.
+        TypeError: If ``index`` is not an integer tensor, or the scales are
+            not float32.
     """
     if not isinstance(cache, KVLayerCache):
         raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
     _check_length_writable(cache.length)
-    if cache.k_scale is not None:
+    if cache.k_scale is not None or cache.v_scale is not None:
+        _check_scales(cache.keys, cache.values, cache.k_scale, cache.v_scale)
         # The scales are indexed like the slots: moved as (..., max_len, 1)
         # caches by the same operator, with the same checks (a call that
         # fails raises before either writes anything).
@@ -631,6 +636,33 @@ def _check_length_writable(length: torch.Tensor) -> None:
     _check_lengths_writable_op(length)
 
 
+def _check_scale_pair(k_scale, v_scale) -> None:
+    # A quantized cache has both scales, a plain one neither.
+    if (k_scale is None) != (v_scale is None):
+        have, missing = ("k_scale", "v_scale") if v_scale is None else ("v_scale", "k_scale")
+        raise ValueError(
+            f"{missing} is None but {have} is set: a quantized cache needs both k_scale and v_scale, "
+            "a plain cache neither"
+        )
+
+
+def _check_scales(keys, values, k_scale, v_scale) -> None:
+    # Writers that move a quantized cache's scales with a plain operator
+    # (select_rows_ over (..., max_len, 1) views) call this before anything
+    # moves: the quantized write's own checks, run by an empty write (nothing
+    # is written): each scale float32 of shape (batch, num_kv_heads,
+    # max_len) on the cache's device, and the two scales sharing no memory
+    # with each other, the keys or the values. The same C++ checks and
+    # messages as every quantized write; the fake kernel runs them too, so
+    # compiled code refuses the same caches.
+    _check_scale_pair(k_scale, v_scale)
+    if k_scale is None:
+        return
+    b, h, _, d = keys.shape
+    empty = keys.new_empty((b, h, 0, d), dtype=torch.float32)
+    _update_q_op(keys, values, k_scale, v_scale, empty, empty, 0)
+
+
 def _raise_out_of_range_start(start: int, keys_new, keys) -> None:
     if start < 0:
         raise ValueError(f"start must be >= 0, got {start}")
@@ -654,14 +686,26 @@ def _as_int(name: str, value) -> int:
 # Names of the previous release, kept for one release: every operation beyond the original
 # module is now <operation>_kv_layer_cache, as in the C++ API.
 def select_kv_layer_cache_rows(cache: KVLayerCache, index: torch.Tensor) -> KVLayerCache:
-    """Deprecated alias of :func:`select_rows_kv_layer_cache` (removed in the next release)."""
-    warnings.warn("kvcache.select_kv_layer_cache_rows is deprecated: use kvcache.select_rows_kv_layer_cache",
-                  DeprecationWarning, stacklevel=2)
+    """Deprecated alias of :func:`select_rows_kv_layer_cache` (removed in the next release).
+
+    Warns (``DeprecationWarning``) when called eagerly; compiled code
+    (``torch.compile``, ``fullgraph=True`` included) calls it without a
+    warning, since ``warnings.warn`` would break the graph.
+    """
+    if not torch.compiler.is_compiling():  # warnings.warn is a graph break: warn in eager code only
+        warnings.warn("kvcache.select_kv_layer_cache_rows is deprecated: use kvcache.select_rows_kv_layer_cache",
+                      DeprecationWarning, stacklevel=2)
     return select_rows_kv_layer_cache(cache, index)
 
 
 def reset_kv_layer_cache_rows(cache: KVLayerCache, rows: torch.Tensor) -> KVLayerCache:
-    """Deprecated alias of :func:`reset_rows_kv_layer_cache` (removed in the next release)."""
-    warnings.warn("kvcache.reset_kv_layer_cache_rows is deprecated: use kvcache.reset_rows_kv_layer_cache",
-                  DeprecationWarning, stacklevel=2)
+    """Deprecated alias of :func:`reset_rows_kv_layer_cache` (removed in the next release).
+
+    Warns (``DeprecationWarning``) when called eagerly; compiled code
+    (``torch.compile``, ``fullgraph=True`` included) calls it without a
+    warning, since ``warnings.warn`` would break the graph.
+    """
+    if not torch.compiler.is_compiling():  # warnings.warn is a graph break: warn in eager code only
+        warnings.warn("kvcache.reset_kv_layer_cache_rows is deprecated: use kvcache.reset_rows_kv_layer_cache",
+                      DeprecationWarning, stacklevel=2)
     return reset_rows_kv_layer_cache(cache, rows)

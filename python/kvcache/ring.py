@@ -35,7 +35,7 @@ from typing import Optional, Union
 
 import torch
 
-from .cache import _as_int, _check_length_writable, _kv_dtype
+from .cache import _as_int, _check_length_writable, _check_scale_pair, _kv_dtype
 
 _init_op = torch.ops.kvcache.init_layer_cache.default
 _ring_update_op = torch.ops.kvcache.ring_update_.default
@@ -44,6 +44,7 @@ _rollback_op = torch.ops.kvcache.rollback.default
 _select_rows_op = torch.ops.kvcache.select_rows_.default
 _update_q_op = torch.ops.kvcache.update_quantized_.default
 _ring_update_q_op = torch.ops.kvcache.ring_update_quantized_.default
+_reset_rows_op = torch.ops.kvcache.reset_rows.default
 
 #: Default ``max_step`` (R): the most tokens one write may add and still be
 #: attended inside the ring, and the furthest rollback. 64 covers speculative
@@ -367,10 +368,16 @@ def write_ring_layer_cache(
         is the logical length after the write.
 
     Raises:
-        ValueError, TypeError: As :func:`update_ring_layer_cache`.
+        ValueError, TypeError: As :func:`update_ring_layer_cache`; with
+            ``start=None`` also a ``cache.length`` that cannot be written in
+            place (an ``expand()``ed view). Nothing is written.
     """
     _check_ring(cache)
     if start is None:
+        # cache.length is advanced by a copy_ after the write: refuse a length
+        # that copy_ could not write (an expand()ed view) before anything is
+        # written, not after.
+        _check_length_writable(cache.length)
         start_t = cache.length
     else:
         start_t = _start_tensor(cache, start)
@@ -402,8 +409,7 @@ def write_ring_layer_cache(
             view_ks = torch.cat([cache.k_scale, staged[2]], dim=2)
             view_vs = torch.cat([cache.v_scale, staged[3]], dim=2)
     length = _ring_write(cache, keys_new, values_new, start_t)
-    if start is None:
-        _check_length_writable(cache.length)
+    if start is None:  # checked writable above
         cache.length.copy_(length)
         length = cache.length
     if long_chunk:
@@ -514,12 +520,28 @@ def rollback_ring_layer_cache(
     return cache
 
 
+def _check_ring_tensors(cache: RingLayerCache) -> None:
+    # The ring write's own checks of the ring's tensors, run by an empty write
+    # (no slot, no position is written): positions of shape (batch,
+    # capacity), and a quantized ring's scales of shape (batch, num_kv_heads,
+    # capacity), float32, sharing no memory with each other, the data or the
+    # positions. The same C++ checks (and messages) as every ring write, run
+    # by the fake kernels too, so compiled code refuses the same rings.
+    _check_scale_pair(cache.k_scale, cache.v_scale)
+    b, h, _, d = cache.keys.shape
+    if cache.k_scale is None:
+        empty = cache.keys.new_empty((b, h, 0, d))
+    else:
+        empty = cache.keys.new_empty((b, h, 0, d), dtype=torch.float32)
+    _ring_write(cache, empty, empty, torch.zeros((), dtype=torch.int32, device=cache.keys.device))
+
+
 def select_rows_ring_layer_cache(cache: RingLayerCache, index: torch.Tensor) -> RingLayerCache:
     """Row ``b`` takes keys, values, positions and length of row ``index[b]``, in place.
 
     Beam search and forking on a ring: every slot of the selected rows moves
     (``select_rows_`` over the whole capacity), with the positions (and a
-    quantized ring's scales).
+    quantized ring's scales). Everything is checked before anything moves.
 
     Args:
         cache: The ring.
@@ -530,16 +552,22 @@ def select_rows_ring_layer_cache(cache: RingLayerCache, index: torch.Tensor) -> 
 
     Raises:
         ValueError: An index out of range (CPU: nothing changes; CUDA:
-            nothing is written and every length becomes -1), or shapes and
-            devices that do not fit.
-        TypeError: If ``index`` is not an integer tensor.
+            nothing is written and every length becomes -1); shapes and
+            devices that do not fit: ``positions`` not ``(batch, capacity)``,
+            a quantized ring's ``k_scale`` / ``v_scale`` not ``(batch,
+            num_kv_heads, capacity)`` or sharing memory with each other, the
+            keys, the values or the positions; a ``cache.length`` that cannot
+            be written in place (an ``expand()``ed view). Nothing moves.
+        TypeError: If ``index`` is not an integer tensor, or the scales are
+            not float32.
     """
     _check_ring(cache)
     _check_length_writable(cache.length)
+    _check_ring_tensors(cache)
     full = torch.full((), cache.capacity, dtype=torch.int32, device=cache.length.device)
     # Validates index (CPU: raises before any write; CUDA: -1 and no write).
     moved = _select_rows_op(cache.keys, cache.values, full, index)
-    if cache.k_scale is not None:  # the scales move with their slots (index was checked above)
+    if cache.k_scale is not None:  # the scales move with their slots (index and scales were checked above)
         _select_rows_op(cache.k_scale.unsqueeze(-1), cache.v_scale.unsqueeze(-1), full, index)
     ok = moved >= 0
     batch = cache.positions.shape[0]
@@ -553,16 +581,31 @@ def select_rows_ring_layer_cache(cache: RingLayerCache, index: torch.Tensor) -> 
 def reset_rows_ring_layer_cache(cache: RingLayerCache, rows: torch.Tensor) -> RingLayerCache:
     """Empties the given rows: length 0 and every slot's position -1, in place.
 
+    Keys and values are not zeroed (empty slots are never read). The rows are
+    checked by the ``reset_rows`` operator, as
+    :func:`kvcache.reset_rows_kv_layer_cache` checks them, before anything
+    changes: one call computes the new lengths, a second (over lengths of 1)
+    marks the rows to empty (0), whose positions are then set to -1.
+
     Args:
         cache: The ring, with a per-row ``length`` of shape ``(batch,)``.
-        rows: ``(batch,)`` bool mask, or an int tensor of row indices.
+        rows: A ``(batch,)`` bool mask (exactly ``batch`` entries), or an
+            int32/int64 tensor (0-D or 1-D) of row indices in ``[0, batch)``
+            (repeats allowed), on the cache's device.
 
     Returns:
         ``cache`` itself.
 
     Raises:
-        ValueError: If ``cache.length`` is 0-D.
-        TypeError: If ``rows`` is not a bool or integer tensor.
+        ValueError: If ``cache.length`` is 0-D or cannot be written in place
+            (an ``expand()``ed view), a mask has not exactly ``batch``
+            entries, an index is outside ``[0, batch)`` (negative ones too:
+            no wrap-around), or ``rows`` is on another device. Nothing
+            changes. On CUDA an index out of range makes every length -1
+            instead, and no position is cleared (check
+            ``(cache.length >= 0).all()``).
+        TypeError: If ``cache`` is not a :class:`RingLayerCache`, or ``rows``
+            is not a bool, int32 or int64 tensor.
     """
     _check_ring(cache)
     if cache.length.dim() != 1:
@@ -570,13 +613,17 @@ def reset_rows_ring_layer_cache(cache: RingLayerCache, rows: torch.Tensor) -> Ri
             "reset_rows_ring_layer_cache needs a per-row length of shape (batch,), got a "
             f"{cache.length.dim()}-D length: make it per-row with length.expand(batch).clone() first"
         )
-    if not isinstance(rows, torch.Tensor) or rows.is_floating_point() or rows.is_complex():
-        raise TypeError("rows must be a bool mask or an integer tensor of row indices")
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(
+            f"rows must be a bool mask or an int32 or int64 tensor of row indices, got {type(rows).__name__}"
+        )
     _check_length_writable(cache.length)
-    if rows.dtype == torch.bool:
-        cache.positions.masked_fill_(rows.view(-1, 1), -1)
-        cache.length.masked_fill_(rows, 0)
-    else:
-        cache.positions.index_fill_(0, rows, -1)
-        cache.length.index_fill_(0, rows, 0)
+    # Every row is checked here (CPU: raises; CUDA: every entry -1), before
+    # anything is written.
+    length = _reset_rows_op(cache.length, rows)
+    # The rows emptied: 0 where a length of 1 was reset. All -1 (CUDA, a bad
+    # index): no row, so no position is cleared and the lengths become -1.
+    emptied = _reset_rows_op(torch.ones_like(cache.length), rows) == 0
+    cache.positions.masked_fill_(emptied.view(-1, 1), -1)
+    cache.length.copy_(length)
     return cache
