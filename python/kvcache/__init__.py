@@ -19,11 +19,6 @@ from .cache import (  # noqa: E402
     init_decoder_kv_caches,
     init_decoder_kv_caches_from_config,
     init_kv_layer_cache,
-    reset_kv_layer_cache_rows,
-    reset_rows_kv_layer_cache,
-    rollback_kv_layer_cache,
-    select_kv_layer_cache_rows,
-    select_rows_kv_layer_cache,
     update_kv_layer_cache,
 )
 from .config import TransformerConfig  # noqa: E402
@@ -33,11 +28,18 @@ from .ring import (  # noqa: E402
     append_ring_layer_cache,
     attend_ring,
     init_ring_layer_cache,
-    reset_rows_ring_layer_cache,
-    rollback_ring_layer_cache,
-    select_rows_ring_layer_cache,
     update_ring_layer_cache,
     write_ring_layer_cache,
+)
+from .rows import (  # noqa: E402
+    reset_kv_layer_cache_rows,
+    reset_rows_kv_layer_cache,
+    reset_rows_ring_layer_cache,
+    rollback_kv_layer_cache,
+    rollback_ring_layer_cache,
+    select_kv_layer_cache_rows,
+    select_rows_kv_layer_cache,
+    select_rows_ring_layer_cache,
 )
 
 

@@ -9,14 +9,14 @@ traffic, never O(max_len).
 """
 
 
-import operator
-import warnings
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
 import torch
 
 from ._torchscript import make_scriptable
+from .common import INT64_MAX, INT64_MIN, as_int, kv_dtype_of, raise_out_of_range_start
+from .ring import RingKV, RingLayerCache, attend_ring
 from .config import TransformerConfig
 
 # The package's __init__ has loaded the operators (it runs before any submodule).
@@ -26,23 +26,12 @@ _update_tensor_op = torch.ops.kvcache.update_.Tensor
 _append_op = torch.ops.kvcache.append_.default
 _append_returning_op = torch.ops.kvcache.append_returning_.default
 _attend_op = torch.ops.kvcache.attend.default
-_rollback_op = torch.ops.kvcache.rollback.default
-_select_rows_op = torch.ops.kvcache.select_rows_.default
 _update_q_op = torch.ops.kvcache.update_quantized_.default
 _update_q_tensor_op = torch.ops.kvcache.update_quantized_.Tensor
 _append_q_op = torch.ops.kvcache.append_quantized_.default
 
-# kv_dtype spellings of the quantized caches (README "Quantized caches").
-_KV_DTYPES = {
-    "int8": torch.int8,
-    "fp8": torch.float8_e4m3fn,
-    torch.int8: torch.int8,
-    torch.float8_e4m3fn: torch.float8_e4m3fn,
-}
-_reset_rows_op = torch.ops.kvcache.reset_rows.default
 _check_lengths_writable_op = torch.ops.kvcache.check_lengths_writable.default
 
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -83,18 +72,6 @@ class KVLayerCache:
 
 
 make_scriptable(KVLayerCache)
-
-
-def _kv_dtype(kv_dtype) -> Optional[torch.dtype]:
-    """The storage dtype of a ``kv_dtype`` argument (None: a plain cache)."""
-    if kv_dtype is None:
-        return None
-    try:
-        return _KV_DTYPES[kv_dtype]
-    except (KeyError, TypeError):
-        raise TypeError(
-            f'kv_dtype must be None, "int8", "fp8", torch.int8 or torch.float8_e4m3fn, got {kv_dtype!r}'
-        ) from None
 
 
 def init_kv_layer_cache(
@@ -141,13 +118,13 @@ def init_kv_layer_cache(
         ("head_dim", head_dim),
         ("max_len", max_len),
     ):
-        v = _as_int(name, v)
-        if not _INT64_MIN <= v <= _INT64_MAX:
+        v = as_int(name, v)
+        if not INT64_MIN <= v <= INT64_MAX:
             raise ValueError(f"{name} must fit in int64 (and max_len in int32), got {v}")
         sizes.append(v)
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
-    stored = _kv_dtype(kv_dtype)
+    stored = kv_dtype_of(kv_dtype)
     dev = torch.device(device) if device is not None else None
     keys, values, length = _init_op(*sizes, dtype=stored if stored is not None else dtype, device=dev)
     if stored is None:
@@ -234,10 +211,10 @@ def update_kv_layer_cache(
             length = _update_tensor_op(keys, values, keys_new, values_new, start)
     else:
         if not isinstance(start, (int, torch.SymInt)) or isinstance(start, bool):
-            start = _as_int("start", start)
-        if isinstance(start, int) and not _INT64_MIN <= start <= _INT64_MAX:
+            start = as_int("start", start)
+        if isinstance(start, int) and not INT64_MIN <= start <= INT64_MAX:
             # The op takes int64: say what the user got wrong, not "expected int".
-            _raise_out_of_range_start(start, keys_new, keys)
+            raise_out_of_range_start(start, keys_new, keys)
         if quantized:
             length = _update_q_op(keys, values, ks, vs, keys_new, values_new, start)
         else:
@@ -277,7 +254,7 @@ def init_decoder_kv_caches(
         TypeError: If an argument has the wrong type.
         ValueError: If a size is negative.
     """
-    n = _as_int("num_layers", num_layers)
+    n = as_int("num_layers", num_layers)
     if n < 0:
         raise ValueError(f"num_layers must be >= 0, got {n}")
     return tuple(
@@ -449,8 +426,11 @@ def attend(
         so ``out.transpose(1, 2).reshape(batch, seq, -1)`` is free.
 
     Raises:
-        ValueError: Shapes, devices or options that do not fit; on CPU,
-            lengths outside ``[seq, max_len]`` or ``kv_start`` outside
+        ValueError: Shapes, devices or options that do not fit; a ``scale``
+            or ``softcap`` that is not finite and positive, or whose products
+            with ``head_dim`` and ``log2(e)`` overflow float32 (e.g.
+            ``scale=1e38``: the scores would be inf and the output NaN); on
+            CPU, lengths outside ``[seq, max_len]`` or ``kv_start`` outside
             ``[0, length]``. On CUDA those rows get NaN output instead (no
             read out of bounds).
         TypeError: Unsupported or mismatched dtypes.
@@ -491,8 +471,6 @@ def attend(
 @torch.jit.unused
 def _attend_ring(q, cache, kv_start, scale, window, softcap, sink_logits) -> torch.Tensor:
     # Rings (kvcache.ring): Python only (TorchScript compiles attend for KVLayerCache).
-    from .ring import RingKV, RingLayerCache, attend_ring
-
     if not isinstance(cache, (RingLayerCache, RingKV)):
         raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
     if window is not None and window != cache.window:
@@ -500,212 +478,17 @@ def _attend_ring(q, cache, kv_start, scale, window, softcap, sink_logits) -> tor
     return attend_ring(q, cache, kv_start=kv_start, scale=scale, softcap=softcap, sink_logits=sink_logits)
 
 
-def rollback_kv_layer_cache(
-    cache: KVLayerCache, n: Union[int, torch.Tensor], *, kv_start: Optional[torch.Tensor] = None
-) -> KVLayerCache:
-    """Drops the last ``n`` tokens of each row, in place (``length -= n``).
-
-    Nothing is copied: later writes overwrite the stale slots and
-    :func:`attend` never reads past ``length``. With per-row ``n`` this is
-    how batched speculative decoding rejects draft tokens.
-
-    Args:
-        cache: The cache; its ``length`` is changed in place.
-        n: Tokens to drop: an int (every row), or an int tensor on the
-            cache's device, 0-D or of ``length``'s shape.
-        kv_start: ``(batch,)`` first valid slot of each row; a row may not go
-            below it. ``None`` means 0.
-
-    Returns:
-        ``cache`` itself.
-
-    Raises:
-        ValueError: If ``n`` is negative or larger than a row holds (CPU;
-            nothing changes; also for a Python int outside int64), or
-            ``cache.length`` cannot be written in place (an ``expand()``ed
-            view: nothing changes). On CUDA every length becomes -1 instead
-            (check ``(cache.length >= 0).all()`` where a sync is fine).
-        TypeError: If ``n`` is not an int or an integer tensor.
-
-    A 0-D ``cache.length`` (one length for every row) with a ``(batch,)``
-    ``kv_start`` is checked row by row against the shared length, as
-    :func:`attend` takes that pair.
-    """
-    if not isinstance(cache, KVLayerCache):
-        raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
-    if not isinstance(n, torch.Tensor):
-        n = _as_int("n", n)
-        # torch.tensor would raise "Overflow when unpacking long long": say
-        # what the op says, naming n.
-        if n < _INT64_MIN:
-            raise ValueError(f"n must be >= 0, got {n}")
-        if n > _INT64_MAX:
-            raise ValueError(f"cannot roll back more tokens than the row holds: n={n} does not fit in int64")
-        n = torch.tensor(n, dtype=torch.int64, device=cache.length.device)
-    _check_length_writable(cache.length)
-    cache.length.copy_(_rollback_op(cache.length, n, kv_start=kv_start))
-    return cache
+# The row operations moved to kvcache.rows (one module for every layout); the old module paths
+# keep resolving (lazily: kvcache.rows imports this module).
+_MOVED_TO_ROWS = (
+    "rollback_kv_layer_cache", "select_rows_kv_layer_cache", "reset_rows_kv_layer_cache",
+    "select_kv_layer_cache_rows", "reset_kv_layer_cache_rows",
+)
 
 
-def select_rows_kv_layer_cache(cache: KVLayerCache, index: torch.Tensor) -> KVLayerCache:
-    """Row ``b`` takes the contents of row ``index[b]``, for every row, in place.
+def __getattr__(name):
+    if name in _MOVED_TO_ROWS:
+        from . import rows
 
-    Beam-search reordering, forking one prompt into several samples, or
-    compacting a batch: keys, values (and a quantized cache's scales) and
-    length of each row become those of row ``index[b]`` (a permutation, repeats or any selection), the buffers
-    keep their addresses, and only the filled slots move (O(content)).
-
-    Args:
-        cache: The cache; changed in place. Its ``length`` is 0-D (every row
-            the same) or ``(batch,)``.
-        index: ``(batch,)`` int32/int64 tensor on the cache's device, each in
-            ``[0, batch)``.
-
-    Returns:
-        ``cache`` itself.
-
-    Raises:
-        ValueError: An index out of range (CPU; nothing changes; on CUDA
-            nothing is written and every length becomes -1), shapes and
-            devices that do not fit (a quantized cache's ``k_scale`` /
-            ``v_scale`` must be ``(batch, num_kv_heads, max_len)``), scales
-            that share memory with each other, the keys or the values, or a
-            ``cache.length`` that cannot be written in place (an
-            ``expand()``ed view). Nothing is moved.
-        TypeError: If ``index`` is not an integer tensor, or the scales are
-            not float32.
-    """
-    if not isinstance(cache, KVLayerCache):
-        raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
-    _check_length_writable(cache.length)
-    if cache.k_scale is not None or cache.v_scale is not None:
-        _check_scales(cache.keys, cache.values, cache.k_scale, cache.v_scale)
-        # The scales are indexed like the slots: moved as (..., max_len, 1)
-        # caches by the same operator, with the same checks (a call that
-        # fails raises before either writes anything).
-        _select_rows_op(cache.k_scale.unsqueeze(-1), cache.v_scale.unsqueeze(-1), cache.length, index)
-    cache.length.copy_(_select_rows_op(cache.keys, cache.values, cache.length, index))
-    return cache
-
-
-def reset_rows_kv_layer_cache(cache: KVLayerCache, rows: torch.Tensor) -> KVLayerCache:
-    """Empties the given rows (their ``length`` becomes 0), in place, in O(1) per row.
-
-    Nothing is zeroed: slots past a row's length are never read, and the next
-    write overwrites them. For continuous batching, where a finished row takes
-    a new request. One ``reset_rows`` operator call computes the new lengths
-    (every row checked first), then they are copied into ``cache.length``.
-
-    Args:
-        cache: The cache, with a per-row ``length`` of shape ``(batch,)``.
-        rows: A ``(batch,)`` bool mask (exactly ``batch`` entries), or an
-            int32/int64 tensor (0-D or 1-D) of row indices in ``[0, batch)``
-            (repeats allowed), on the cache's device.
-
-    Returns:
-        ``cache`` itself.
-
-    Raises:
-        ValueError: If ``cache.length`` is 0-D (one length shared by every
-            row cannot be reset for some rows only) or cannot be written in
-            place (an ``expand()``ed view), a mask has not exactly ``batch``
-            entries, an index is outside ``[0, batch)`` (negative ones too:
-            no wrap-around), or ``rows`` is on another device. Nothing
-            changes. On CUDA an index out of range makes every length -1
-            instead (check ``(cache.length >= 0).all()``).
-        TypeError: If ``rows`` is not a bool, int32 or int64 tensor.
-    """
-    if not isinstance(cache, KVLayerCache):
-        raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
-    if not isinstance(rows, torch.Tensor):
-        raise TypeError(
-            f"rows must be a bool mask or an int32 or int64 tensor of row indices, got {type(rows).__name__}"
-        )
-    _check_length_writable(cache.length)
-    cache.length.copy_(_reset_rows_op(cache.length, rows))
-    return cache
-
-
-def _check_length_writable(length: torch.Tensor) -> None:
-    # Every wrapper that writes cache.length with a copy_ of an operator's new
-    # lengths calls this before the operator runs, so that the copy cannot
-    # fail after the op moved rows (select) and nothing changes on error: an
-    # expand()ed length, an inference tensor outside inference mode (whose
-    # copy_ writes, then raises). One C++ check (append_'s for its lengths),
-    # also run by the fake kernel, so compiled code raises the same error.
-    _check_lengths_writable_op(length)
-
-
-def _check_scale_pair(k_scale, v_scale) -> None:
-    # A quantized cache has both scales, a plain one neither.
-    if (k_scale is None) != (v_scale is None):
-        have, missing = ("k_scale", "v_scale") if v_scale is None else ("v_scale", "k_scale")
-        raise ValueError(
-            f"{missing} is None but {have} is set: a quantized cache needs both k_scale and v_scale, "
-            "a plain cache neither"
-        )
-
-
-def _check_scales(keys, values, k_scale, v_scale) -> None:
-    # Writers that move a quantized cache's scales with a plain operator
-    # (select_rows_ over (..., max_len, 1) views) call this before anything
-    # moves: the quantized write's own checks, run by an empty write (nothing
-    # is written): each scale float32 of shape (batch, num_kv_heads,
-    # max_len) on the cache's device, and the two scales sharing no memory
-    # with each other, the keys or the values. The same C++ checks and
-    # messages as every quantized write; the fake kernel runs them too, so
-    # compiled code refuses the same caches.
-    _check_scale_pair(k_scale, v_scale)
-    if k_scale is None:
-        return
-    b, h, _, d = keys.shape
-    empty = keys.new_empty((b, h, 0, d), dtype=torch.float32)
-    _update_q_op(keys, values, k_scale, v_scale, empty, empty, 0)
-
-
-def _raise_out_of_range_start(start: int, keys_new, keys) -> None:
-    if start < 0:
-        raise ValueError(f"start must be >= 0, got {start}")
-    chunk = keys_new.shape[2] if isinstance(keys_new, torch.Tensor) and keys_new.dim() == 4 else 0
-    max_len = keys.shape[2] if isinstance(keys, torch.Tensor) and keys.dim() == 4 else 0
-    # The op's overflow message, naming the argument that does not fit.
-    raise ValueError(
-        f"KV cache overflow: end={start + chunk} exceeds max_len={max_len} (start={start} does not fit in int64)"
-    )
-
-
-def _as_int(name: str, value) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got bool")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
-
-
-# Names of the previous release, kept for one release: every operation beyond the original
-# module is now <operation>_kv_layer_cache, as in the C++ API.
-def select_kv_layer_cache_rows(cache: KVLayerCache, index: torch.Tensor) -> KVLayerCache:
-    """Deprecated alias of :func:`select_rows_kv_layer_cache` (removed in the next release).
-
-    Warns (``DeprecationWarning``) when called eagerly; compiled code
-    (``torch.compile``, ``fullgraph=True`` included) calls it without a
-    warning, since ``warnings.warn`` would break the graph.
-    """
-    if not torch.compiler.is_compiling():  # warnings.warn is a graph break: warn in eager code only
-        warnings.warn("kvcache.select_kv_layer_cache_rows is deprecated: use kvcache.select_rows_kv_layer_cache",
-                      DeprecationWarning, stacklevel=2)
-    return select_rows_kv_layer_cache(cache, index)
-
-
-def reset_kv_layer_cache_rows(cache: KVLayerCache, rows: torch.Tensor) -> KVLayerCache:
-    """Deprecated alias of :func:`reset_rows_kv_layer_cache` (removed in the next release).
-
-    Warns (``DeprecationWarning``) when called eagerly; compiled code
-    (``torch.compile``, ``fullgraph=True`` included) calls it without a
-    warning, since ``warnings.warn`` would break the graph.
-    """
-    if not torch.compiler.is_compiling():  # warnings.warn is a graph break: warn in eager code only
-        warnings.warn("kvcache.reset_kv_layer_cache_rows is deprecated: use kvcache.reset_rows_kv_layer_cache",
-                      DeprecationWarning, stacklevel=2)
-    return reset_rows_kv_layer_cache(cache, rows)
+        return getattr(rows, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

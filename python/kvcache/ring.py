@@ -35,16 +35,13 @@ from typing import Optional, Union
 
 import torch
 
-from .cache import _as_int, _check_length_writable, _check_scale_pair, _kv_dtype
+from .common import as_int, check_length_writable, kv_dtype_of
 
 _init_op = torch.ops.kvcache.init_layer_cache.default
 _ring_update_op = torch.ops.kvcache.ring_update_.default
 _attend_op = torch.ops.kvcache.attend.default
-_rollback_op = torch.ops.kvcache.rollback.default
-_select_rows_op = torch.ops.kvcache.select_rows_.default
 _update_q_op = torch.ops.kvcache.update_quantized_.default
 _ring_update_q_op = torch.ops.kvcache.ring_update_quantized_.default
-_reset_rows_op = torch.ops.kvcache.reset_rows.default
 
 #: Default ``max_step`` (R): the most tokens one write may add and still be
 #: attended inside the ring, and the furthest rollback. 64 covers speculative
@@ -172,9 +169,9 @@ def init_ring_layer_cache(
         ValueError: If ``window`` or ``max_step`` is < 1, ``sinks`` < 0, a
             size is negative, or the capacity reaches 2**31.
     """
-    window = _as_int("window", window)
-    sinks = _as_int("sinks", sinks)
-    max_step = _as_int("max_step", max_step)
+    window = as_int("window", window)
+    sinks = as_int("sinks", sinks)
+    max_step = as_int("max_step", max_step)
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     if sinks < 0:
@@ -188,12 +185,12 @@ def init_ring_layer_cache(
         )
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
-    stored = _kv_dtype(kv_dtype)
+    stored = kv_dtype_of(kv_dtype)
     dev = torch.device(device) if device is not None else None
     keys, values, length = _init_op(
-        _as_int("batch_size", batch_size),
-        _as_int("num_kv_heads", num_kv_heads),
-        _as_int("head_dim", head_dim),
+        as_int("batch_size", batch_size),
+        as_int("num_kv_heads", num_kv_heads),
+        as_int("head_dim", head_dim),
         capacity,
         dtype=stored if stored is not None else dtype,
         device=dev,
@@ -226,10 +223,13 @@ def _quantize_chunk(cache: RingLayerCache, keys_new, values_new):
     return tk, tv, tks, tvs
 
 
-def _ring_write(cache: RingLayerCache, keys_new, values_new, start_t) -> torch.Tensor:
-    # The ring's write of one chunk, one operator call (a quantized ring:
-    # data, scales and positions quantized and placed by one
-    # ring_update_quantized_); returns the new length.
+def ring_write(cache: RingLayerCache, keys_new, values_new, start_t) -> torch.Tensor:
+    """The ring's write of one chunk, one operator call; returns the new length.
+
+    A quantized ring's data, scales and positions are quantized and placed by one
+    ``ring_update_quantized_``. The shared core of every ring write (:mod:`kvcache.rows`
+    runs it with an empty chunk to check a ring's tensors).
+    """
     if cache.k_scale is None:
         return _ring_update_op(
             cache.keys, cache.values, cache.positions, keys_new, values_new, start_t, sinks=cache.sinks
@@ -247,7 +247,8 @@ def _ring_write(cache: RingLayerCache, keys_new, values_new, start_t) -> torch.T
     )
 
 
-def _check_ring(cache) -> None:
+def check_ring(cache) -> None:
+    """Raises TypeError unless ``cache`` is a :class:`RingLayerCache`."""
     if not isinstance(cache, RingLayerCache):
         raise TypeError(f"cache must be a RingLayerCache, got {type(cache).__name__}")
 
@@ -255,7 +256,7 @@ def _check_ring(cache) -> None:
 def _start_tensor(cache: RingLayerCache, start) -> torch.Tensor:
     if isinstance(start, torch.Tensor):
         return start
-    start = _as_int("start", start)
+    start = as_int("start", start)
     if not 0 <= start <= _INT32_MAX:
         raise ValueError(f"start must be in [0, {_INT32_MAX}] (int32 positions), got {start}")
     return torch.tensor(start, dtype=torch.int32, device=cache.keys.device)
@@ -296,9 +297,9 @@ def update_ring_layer_cache(
             the returned length is -1), or shapes/devices that do not fit.
         TypeError: Mismatched dtypes, or ``cache`` not a RingLayerCache.
     """
-    _check_ring(cache)
+    check_ring(cache)
     start_t = _start_tensor(cache, start)
-    length = _ring_write(cache, keys_new, values_new, start_t)
+    length = ring_write(cache, keys_new, values_new, start_t)
     return RingLayerCache(
         cache.keys,
         cache.values,
@@ -330,9 +331,9 @@ def append_ring_layer_cache(cache: RingLayerCache, keys_new: torch.Tensor, value
     Raises:
         ValueError, TypeError: As :func:`update_ring_layer_cache`.
     """
-    _check_ring(cache)
-    _check_length_writable(cache.length)
-    cache.length.copy_(_ring_write(cache, keys_new, values_new, cache.length))
+    check_ring(cache)
+    check_length_writable(cache.length)
+    cache.length.copy_(ring_write(cache, keys_new, values_new, cache.length))
     return cache
 
 
@@ -372,12 +373,12 @@ def write_ring_layer_cache(
             ``start=None`` also a ``cache.length`` that cannot be written in
             place (an ``expand()``ed view). Nothing is written.
     """
-    _check_ring(cache)
+    check_ring(cache)
     if start is None:
         # cache.length is advanced by a copy_ after the write: refuse a length
         # that copy_ could not write (an expand()ed view) before anything is
         # written, not after.
-        _check_length_writable(cache.length)
+        check_length_writable(cache.length)
         start_t = cache.length
     else:
         start_t = _start_tensor(cache, start)
@@ -389,7 +390,7 @@ def write_ring_layer_cache(
         # not fit the ring raises the op's ValueError/TypeError instead of
         # torch.cat's RuntimeError below.
         empty_v = values_new[:, :, :0] if isinstance(values_new, torch.Tensor) and values_new.dim() == 4 else values_new
-        _ring_write(cache, keys_new[:, :, :0], empty_v, start_t)
+        ring_write(cache, keys_new[:, :, :0], empty_v, start_t)
         # A quantized ring's chunk, quantized for the view (the ring keeps
         # only part of it); raises for bad new data before anything is written.
         staged = _quantize_chunk(cache, keys_new, values_new) if cache.k_scale is not None else None
@@ -408,7 +409,7 @@ def write_ring_layer_cache(
             view_v = torch.cat([cache.values, staged[1]], dim=2)
             view_ks = torch.cat([cache.k_scale, staged[2]], dim=2)
             view_vs = torch.cat([cache.v_scale, staged[3]], dim=2)
-    length = _ring_write(cache, keys_new, values_new, start_t)
+    length = ring_write(cache, keys_new, values_new, start_t)
     if start is None:  # checked writable above
         cache.length.copy_(length)
         length = cache.length
@@ -478,152 +479,14 @@ def attend_ring(
     )
 
 
-def rollback_ring_layer_cache(
-    cache: RingLayerCache, n: Union[int, torch.Tensor], *, kv_start: Optional[torch.Tensor] = None
-) -> RingLayerCache:
-    """Drops the last ``n`` tokens of each row (``length -= n``), in place.
-
-    Length arithmetic only: the dropped slots keep positions at or past the
-    new length, which :func:`attend_ring` never reads, and the next write
-    overwrites them. Exact after any number of wraps as long as no write
-    starts more than ``max_step`` below the furthest position written.
-
-    Args:
-        cache: The ring; ``length`` changes in place.
-        n: Tokens to drop: an int (every row) or an int tensor, 0-D or of
-            ``length``'s shape.
-        kv_start: First valid position per row; a row may not go below it.
-
-    Returns:
-        ``cache`` itself.
-
-    Raises:
-        ValueError: An int ``n`` above ``max_step`` or negative, or more
-            than a row holds (CPU; on CUDA every length becomes -1). A tensor
-            ``n`` above ``max_step`` is not checked (that would sync): the
-            queries that lost positions then get NaN.
-        TypeError: If ``n`` is not an int or an integer tensor.
-    """
-    _check_ring(cache)
-    if not isinstance(n, torch.Tensor):
-        n = _as_int("n", n)
-        if n > cache.max_step:
-            raise ValueError(
-                f"a ring rolls back at most max_step={cache.max_step} tokens exactly, got n={n} "
-                "(make the ring with a larger max_step)"
-            )
-        if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
-        n = torch.tensor(n, dtype=torch.int64, device=cache.length.device)
-    _check_length_writable(cache.length)
-    cache.length.copy_(_rollback_op(cache.length, n, kv_start=kv_start))
-    return cache
+# The row operations moved to kvcache.rows (one module for every layout); the old module paths
+# keep resolving (lazily: kvcache.rows imports this module).
+_MOVED_TO_ROWS = ("rollback_ring_layer_cache", "select_rows_ring_layer_cache", "reset_rows_ring_layer_cache")
 
 
-def _check_ring_tensors(cache: RingLayerCache) -> None:
-    # The ring write's own checks of the ring's tensors, run by an empty write
-    # (no slot, no position is written): positions of shape (batch,
-    # capacity), and a quantized ring's scales of shape (batch, num_kv_heads,
-    # capacity), float32, sharing no memory with each other, the data or the
-    # positions. The same C++ checks (and messages) as every ring write, run
-    # by the fake kernels too, so compiled code refuses the same rings.
-    _check_scale_pair(cache.k_scale, cache.v_scale)
-    b, h, _, d = cache.keys.shape
-    if cache.k_scale is None:
-        empty = cache.keys.new_empty((b, h, 0, d))
-    else:
-        empty = cache.keys.new_empty((b, h, 0, d), dtype=torch.float32)
-    _ring_write(cache, empty, empty, torch.zeros((), dtype=torch.int32, device=cache.keys.device))
+def __getattr__(name):
+    if name in _MOVED_TO_ROWS:
+        from . import rows
 
-
-def select_rows_ring_layer_cache(cache: RingLayerCache, index: torch.Tensor) -> RingLayerCache:
-    """Row ``b`` takes keys, values, positions and length of row ``index[b]``, in place.
-
-    Beam search and forking on a ring: every slot of the selected rows moves
-    (``select_rows_`` over the whole capacity), with the positions (and a
-    quantized ring's scales). Everything is checked before anything moves.
-
-    Args:
-        cache: The ring.
-        index: ``(batch,)`` int32/int64 on the cache's device, in ``[0, batch)``.
-
-    Returns:
-        ``cache`` itself.
-
-    Raises:
-        ValueError: An index out of range (CPU: nothing changes; CUDA:
-            nothing is written and every length becomes -1); shapes and
-            devices that do not fit: ``positions`` not ``(batch, capacity)``,
-            a quantized ring's ``k_scale`` / ``v_scale`` not ``(batch,
-            num_kv_heads, capacity)`` or sharing memory with each other, the
-            keys, the values or the positions; a ``cache.length`` that cannot
-            be written in place (an ``expand()``ed view). Nothing moves.
-        TypeError: If ``index`` is not an integer tensor, or the scales are
-            not float32.
-    """
-    _check_ring(cache)
-    _check_length_writable(cache.length)
-    _check_ring_tensors(cache)
-    full = torch.full((), cache.capacity, dtype=torch.int32, device=cache.length.device)
-    # Validates index (CPU: raises before any write; CUDA: -1 and no write).
-    moved = _select_rows_op(cache.keys, cache.values, full, index)
-    if cache.k_scale is not None:  # the scales move with their slots (index and scales were checked above)
-        _select_rows_op(cache.k_scale.unsqueeze(-1), cache.v_scale.unsqueeze(-1), full, index)
-    ok = moved >= 0
-    batch = cache.positions.shape[0]
-    safe = index.clamp(0, max(batch - 1, 0)).long()
-    cache.positions.copy_(torch.where(ok, cache.positions.index_select(0, safe), cache.positions))
-    length = cache.length.index_select(0, safe) if cache.length.dim() == 1 else cache.length
-    cache.length.copy_(torch.where(ok, length, -1))
-    return cache
-
-
-def reset_rows_ring_layer_cache(cache: RingLayerCache, rows: torch.Tensor) -> RingLayerCache:
-    """Empties the given rows: length 0 and every slot's position -1, in place.
-
-    Keys and values are not zeroed (empty slots are never read). The rows are
-    checked by the ``reset_rows`` operator, as
-    :func:`kvcache.reset_rows_kv_layer_cache` checks them, before anything
-    changes: one call computes the new lengths, a second (over lengths of 1)
-    marks the rows to empty (0), whose positions are then set to -1.
-
-    Args:
-        cache: The ring, with a per-row ``length`` of shape ``(batch,)``.
-        rows: A ``(batch,)`` bool mask (exactly ``batch`` entries), or an
-            int32/int64 tensor (0-D or 1-D) of row indices in ``[0, batch)``
-            (repeats allowed), on the cache's device.
-
-    Returns:
-        ``cache`` itself.
-
-    Raises:
-        ValueError: If ``cache.length`` is 0-D or cannot be written in place
-            (an ``expand()``ed view), a mask has not exactly ``batch``
-            entries, an index is outside ``[0, batch)`` (negative ones too:
-            no wrap-around), or ``rows`` is on another device. Nothing
-            changes. On CUDA an index out of range makes every length -1
-            instead, and no position is cleared (check
-            ``(cache.length >= 0).all()``).
-        TypeError: If ``cache`` is not a :class:`RingLayerCache`, or ``rows``
-            is not a bool, int32 or int64 tensor.
-    """
-    _check_ring(cache)
-    if cache.length.dim() != 1:
-        raise ValueError(
-            "reset_rows_ring_layer_cache needs a per-row length of shape (batch,), got a "
-            f"{cache.length.dim()}-D length: make it per-row with length.expand(batch).clone() first"
-        )
-    if not isinstance(rows, torch.Tensor):
-        raise TypeError(
-            f"rows must be a bool mask or an int32 or int64 tensor of row indices, got {type(rows).__name__}"
-        )
-    _check_length_writable(cache.length)
-    # Every row is checked here (CPU: raises; CUDA: every entry -1), before
-    # anything is written.
-    length = _reset_rows_op(cache.length, rows)
-    # The rows emptied: 0 where a length of 1 was reset. All -1 (CUDA, a bad
-    # index): no row, so no position is cleared and the lengths become -1.
-    emptied = _reset_rows_op(torch.ones_like(cache.length), rows) == 0
-    cache.positions.masked_fill_(emptied.view(-1, 1), -1)
-    cache.length.copy_(length)
-    return cache
+        return getattr(rows, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

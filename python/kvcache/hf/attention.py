@@ -13,10 +13,11 @@ from typing import Optional, Union
 
 import torch
 
-from ..cache import _attend_op
 from . import _registry
 from ._compat import masking_utils
 from .layer import _compiling
+
+_attend_op = torch.ops.kvcache.attend.default
 
 
 def _check_mask_kind(mask_function, local_size, use_vmap, config) -> None:

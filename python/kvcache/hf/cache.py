@@ -8,6 +8,8 @@ from typing import Optional, Union
 
 import torch
 
+from .. import common
+from .. import rows as row_ops
 from .. import cache as _api
 from ._compat import (
     Cache,
@@ -131,11 +133,11 @@ class KVCache(Cache):
         sinks: int = 0,
         kv_dtype=None,
     ):
-        max_cache_len = _api._as_int("max_cache_len", max_cache_len)
+        max_cache_len = common.as_int("max_cache_len", max_cache_len)
         if not 1 <= max_cache_len < 2**31:
             raise ValueError(f"max_cache_len must be in [1, 2**31) (lengths are int32), got {max_cache_len}")
         if batch_size is not None:
-            batch_size = _api._as_int("batch_size", batch_size)
+            batch_size = common.as_int("batch_size", batch_size)
             if batch_size < 1:
                 raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if dtype is not None and not isinstance(dtype, torch.dtype):
@@ -144,17 +146,17 @@ class KVCache(Cache):
             raise ValueError(f"sliding_layers must be 'ring', 'linear' or 'hf', got {sliding_layers!r}")
         if sliding_layers == "kvcache":  # the linear layers' name before rings
             sliding_layers = "linear"
-        max_step = _api._as_int("max_step", max_step)
+        max_step = common.as_int("max_step", max_step)
         if max_step < 1:
             raise ValueError(f"max_step must be >= 1, got {max_step}")
-        sinks = _api._as_int("sinks", sinks)
+        sinks = common.as_int("sinks", sinks)
         if sinks < 0:
             raise ValueError(f"sinks must be >= 0, got {sinks}")
         if sinks and sliding_layers != "ring":
             raise ValueError(f"sinks={sinks} needs sliding_layers='ring', got sliding_layers={sliding_layers!r}")
         self.sliding_layers, self.max_step, self.sinks = sliding_layers, max_step, sinks
         dev = torch.device(device) if device is not None else None
-        self.kv_dtype = _api._kv_dtype(kv_dtype)
+        self.kv_dtype = common.kv_dtype_of(kv_dtype)
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self.config = text
         self._max_cache_len = max_cache_len
@@ -270,7 +272,7 @@ class KVCache(Cache):
         accepts its own number of draft tokens); transformers' ``crop`` takes
         one amount for every row.
         """
-        self._check_rings(lambda la: n if isinstance(n, torch.Tensor) else _api._as_int("n", n))
+        self._check_rings(lambda la: n if isinstance(n, torch.Tensor) else common.as_int("n", n))
         for layer in self.layers:
             if isinstance(layer, KVCacheLayer):
                 layer.rollback(n)
@@ -310,8 +312,8 @@ class KVCache(Cache):
         layers = [la for la in self.layers if isinstance(la, KVCacheLayer) and la.is_initialized]
         # Every layer's new lengths first (the API's checks, on copies), then the writes.
         for layer in layers:
-            _api._check_length_writable(layer.lengths)
-        new = [_api.reset_rows_kv_layer_cache(_api.KVLayerCache(la.keys, la.values, la.lengths.clone()), rows).length
+            common.check_length_writable(layer.lengths)
+        new = [row_ops.reset_rows_kv_layer_cache(_api.KVLayerCache(la.keys, la.values, la.lengths.clone()), rows).length
                for la in layers]
         for layer, lengths in zip(layers, new):
             if isinstance(layer, KVRingLayer):

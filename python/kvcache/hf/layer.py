@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from .. import common
+from .. import rows as row_ops
 from .. import cache as _api
 from . import _registry
 from ._compat import CacheLayerMixin
@@ -52,7 +54,7 @@ class KVCacheLayer(CacheLayerMixin):
         self.max_cache_len = max_cache_len
         # A quantized layer: int8 / float8_e4m3fn storage with per-slot float32
         # scales (k_scale / v_scale, indexed like the slots; README "Quantized caches").
-        self.kv_dtype: Optional[torch.dtype] = _api._kv_dtype(kv_dtype)
+        self.kv_dtype: Optional[torch.dtype] = common.kv_dtype_of(kv_dtype)
         self.k_scale: Optional[torch.Tensor] = None
         self.v_scale: Optional[torch.Tensor] = None
         self.window = window
@@ -214,30 +216,30 @@ class KVCacheLayer(CacheLayerMixin):
             t = tokens_to_remove.to(device=dev, dtype=torch.int64)
             n = torch.where(t < 0, -t, (self.lengths.to(torch.int64) - t).clamp(min=0))
         else:
-            t = _api._as_int("tokens_to_remove", tokens_to_remove)
+            t = common.as_int("tokens_to_remove", tokens_to_remove)
             if t == 0:
                 return
             if t < 0:
                 n = torch.tensor(-t, dtype=torch.int64, device=dev)
             else:
                 n = (self.lengths.to(torch.int64) - t).clamp(min=0)
-        _api.rollback_kv_layer_cache(self.kv, n)
+        row_ops.rollback_kv_layer_cache(self.kv, n)
 
     def rollback(self, n) -> None:
         """Drops the last ``n`` tokens (int, 0-D or ``(batch,)`` int tensor) of each row, in place."""
         if not self.is_initialized:
             raise ValueError(f"layer {self.layer_idx}: the cache is empty (nothing to roll back)")
-        _api.rollback_kv_layer_cache(self.kv, n)
+        row_ops.rollback_kv_layer_cache(self.kv, n)
 
     def reset_rows(self, rows: torch.Tensor) -> None:
         """Empties the given rows (a ``(batch,)`` bool mask or row indices) in O(1) each."""
         if self.is_initialized:
-            _api.reset_rows_kv_layer_cache(self.kv, rows)
+            row_ops.reset_rows_kv_layer_cache(self.kv, rows)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row ``b`` takes row ``beam_idx[b]`` (beam search): ``select_rows_``, in place, filled slots only."""
         if self.is_initialized:
-            _api.select_rows_kv_layer_cache(self.kv, beam_idx.to(self.lengths.device))
+            row_ops.select_rows_kv_layer_cache(self.kv, beam_idx.to(self.lengths.device))
 
     def batch_select_indices(self, indices) -> None:
         """Keeps the rows ``indices`` (an index or bool tensor), in this order.
@@ -255,11 +257,11 @@ class KVCacheLayer(CacheLayerMixin):
         idx = idx.to(torch.int64).flatten()
         b, k = self.keys.shape[0], idx.numel()
         if k == b:
-            _api.select_rows_kv_layer_cache(self.kv, idx)
+            row_ops.select_rows_kv_layer_cache(self.kv, idx)
         elif k < b:
             # Rows k.. keep their own contents; rows ..k take the selection (all at once).
             full = torch.cat((idx, torch.arange(k, b, device=dev)))
-            _api.select_rows_kv_layer_cache(self.kv, full)
+            row_ops.select_rows_kv_layer_cache(self.kv, full)
             scales = (None, None) if self.k_scale is None else (self.k_scale[:k], self.v_scale[:k])
             self._set_buffers(self.keys[:k], self.values[:k], self.lengths[:k], *scales)
         else:
@@ -269,7 +271,7 @@ class KVCacheLayer(CacheLayerMixin):
         """Repeats every row ``repeats`` times (row ``b`` becomes rows ``b*repeats ..``): new, larger buffers."""
         if not self.is_initialized:
             return
-        r = _api._as_int("repeats", repeats)
+        r = common.as_int("repeats", repeats)
         if r < 1:
             raise ValueError(f"repeats must be >= 1, got {r}")
         if r == 1:

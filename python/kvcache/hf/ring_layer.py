@@ -14,7 +14,8 @@ from typing import Optional
 
 import torch
 
-from .. import cache as _api
+from .. import common
+from .. import rows as row_ops
 from .. import ring as _ring
 from .layer import KVCacheLayer, _compiling
 
@@ -201,7 +202,7 @@ class KVRingLayer(KVCacheLayer):
         if isinstance(tokens_to_remove, torch.Tensor):
             t = tokens_to_remove.to(device=dev, dtype=torch.int64)
             return torch.where(t < 0, -t, (self.lengths.to(torch.int64) - t).clamp(min=0))
-        t = _api._as_int("tokens_to_remove", tokens_to_remove)
+        t = common.as_int("tokens_to_remove", tokens_to_remove)
         if t == 0:
             return None
         if t < 0:
@@ -219,12 +220,12 @@ class KVRingLayer(KVCacheLayer):
         if not self.is_initialized:
             raise ValueError(f"layer {self.layer_idx}: the cache is empty (nothing to roll back)")
         if not isinstance(n, torch.Tensor):
-            n = _api._as_int("n", n)
+            n = common.as_int("n", n)
             if n < 0:
                 raise ValueError(f"n must be >= 0, got {n}")
             n = torch.tensor(n, dtype=torch.int64, device=self.lengths.device)
         self.check_depth(n.to(device=self.lengths.device, dtype=torch.int64))
-        _ring.rollback_ring_layer_cache(self.ring, n)
+        row_ops.rollback_ring_layer_cache(self.ring, n)
 
     def reset(self) -> None:
         """Empties every row: lengths 0, every slot's position -1 (keys and values are not zeroed)."""
@@ -238,14 +239,14 @@ class KVRingLayer(KVCacheLayer):
         if self.is_initialized:
             if isinstance(rows, torch.Tensor) and not rows.is_floating_point() and rows.dtype != torch.bool:
                 rows = rows.to(device=self.lengths.device, dtype=torch.int64)  # index_fill_ takes int64
-            _ring.reset_rows_ring_layer_cache(self.ring, rows)
+            row_ops.reset_rows_ring_layer_cache(self.ring, rows)
 
     # -- reshaping ----------------------------------------------------------
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row ``b`` takes row ``beam_idx[b]`` (beam search): every slot, its positions and length, in place."""
         if self.is_initialized:
-            _ring.select_rows_ring_layer_cache(self.ring, beam_idx.to(self.lengths.device))
+            row_ops.select_rows_ring_layer_cache(self.ring, beam_idx.to(self.lengths.device))
 
     def batch_select_indices(self, indices) -> None:
         """Keeps the rows ``indices`` (an index or bool tensor), in this order (in place when it does not grow)."""
@@ -258,10 +259,10 @@ class KVRingLayer(KVCacheLayer):
         idx = idx.to(torch.int64).flatten()
         b, k = self.keys.shape[0], idx.numel()
         if k == b:
-            _ring.select_rows_ring_layer_cache(self.ring, idx)
+            row_ops.select_rows_ring_layer_cache(self.ring, idx)
         elif k < b:
             full = torch.cat((idx, torch.arange(k, b, device=dev)))
-            _ring.select_rows_ring_layer_cache(self.ring, full)
+            row_ops.select_rows_ring_layer_cache(self.ring, full)
             scales = (None, None) if self.k_scale is None else (self.k_scale[:k], self.v_scale[:k])
             self._set_ring(self.keys[:k], self.values[:k], self.positions[:k], self.lengths[:k], *scales)
         else:

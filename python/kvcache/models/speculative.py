@@ -29,7 +29,8 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..cache import KVLayerCache, init_kv_layer_cache, rollback_kv_layer_cache
+from ..cache import KVLayerCache, init_kv_layer_cache
+from ..rows import rollback_kv_layer_cache
 from .decoder import Decoder
 
 

@@ -1,0 +1,127 @@
+"""Shared internals of the cache family: argument normalisation, length checks, dtype handling.
+
+:mod:`kvcache.cache` (contiguous rows), :mod:`kvcache.ring` (sliding-window rings),
+:mod:`kvcache.rows` (row operations over either) and :mod:`kvcache.hf` import these by their
+public names; each check exists once, so every layout raises the same error for the same
+mistake. Not part of the user API (the package does not re-export them).
+"""
+
+import operator
+from typing import Optional
+
+import torch
+
+# The package's __init__ has loaded the operators (it runs before any submodule).
+_update_q_op = torch.ops.kvcache.update_quantized_.default
+_check_lengths_writable_op = torch.ops.kvcache.check_lengths_writable.default
+
+#: The range of the int64 arguments the operators take.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+# kv_dtype spellings of the quantized caches (README "Quantized caches").
+KV_DTYPES = {
+    "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
+    torch.int8: torch.int8,
+    torch.float8_e4m3fn: torch.float8_e4m3fn,
+}
+
+
+def kv_dtype_of(kv_dtype) -> Optional[torch.dtype]:
+    """The storage dtype of a ``kv_dtype`` argument (None: a plain cache).
+
+    Raises:
+        TypeError: For a spelling other than None, "int8", "fp8", torch.int8, torch.float8_e4m3fn.
+    """
+    if kv_dtype is None:
+        return None
+    try:
+        return KV_DTYPES[kv_dtype]
+    except (KeyError, TypeError):
+        raise TypeError(
+            f'kv_dtype must be None, "int8", "fp8", torch.int8 or torch.float8_e4m3fn, got {kv_dtype!r}'
+        ) from None
+
+
+def check_length_writable(length: torch.Tensor) -> None:
+    """Raises (ValueError) unless ``length`` can be written in place by a ``copy_``.
+
+    Args:
+        length: A cache's int32/int64 lengths, 0-D or ``(batch,)``.
+
+    Raises:
+        ValueError: An ``expand()``ed (internally overlapping) length, or an inference tensor
+            outside inference mode.
+    """
+    # Every wrapper that writes cache.length with a copy_ of an operator's new
+    # lengths calls this before the operator runs, so that the copy cannot
+    # fail after the op moved rows (select) and nothing changes on error: an
+    # expand()ed length, an inference tensor outside inference mode (whose
+    # copy_ writes, then raises). One C++ check (append_'s for its lengths),
+    # also run by the fake kernel, so compiled code raises the same error.
+    _check_lengths_writable_op(length)
+
+
+def check_scale_pair(k_scale, v_scale) -> None:
+    """Raises (ValueError) unless both scales are set (a quantized cache) or neither (a plain one)."""
+    # A quantized cache has both scales, a plain one neither.
+    if (k_scale is None) != (v_scale is None):
+        have, missing = ("k_scale", "v_scale") if v_scale is None else ("v_scale", "k_scale")
+        raise ValueError(
+            f"{missing} is None but {have} is set: a quantized cache needs both k_scale and v_scale, "
+            "a plain cache neither"
+        )
+
+
+def check_scales(keys, values, k_scale, v_scale) -> None:
+    """Checks a cache's scales as every quantized write does, writing nothing.
+
+    Args:
+        keys, values: The cache's ``(batch, num_kv_heads, max_len, head_dim)`` buffers.
+        k_scale, v_scale: Its ``(batch, num_kv_heads, max_len)`` float32 scales, or both None.
+
+    Raises:
+        ValueError: One scale without the other, a wrong shape or device, or scales sharing
+            memory with each other or the data.
+        TypeError: Scales that are not float32.
+    """
+    # Writers that move a quantized cache's scales with a plain operator
+    # (select_rows_ over (..., max_len, 1) views) call this before anything
+    # moves: the quantized write's own checks, run by an empty write (nothing
+    # is written): each scale float32 of shape (batch, num_kv_heads,
+    # max_len) on the cache's device, and the two scales sharing no memory
+    # with each other, the keys or the values. The same C++ checks and
+    # messages as every quantized write; the fake kernel runs them too, so
+    # compiled code refuses the same caches.
+    check_scale_pair(k_scale, v_scale)
+    if k_scale is None:
+        return
+    b, h, _, d = keys.shape
+    empty = keys.new_empty((b, h, 0, d), dtype=torch.float32)
+    _update_q_op(keys, values, k_scale, v_scale, empty, empty, 0)
+
+
+def raise_out_of_range_start(start: int, keys_new, keys) -> None:
+    """Raises the write's own ValueError for a Python int ``start`` outside int64."""
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
+    chunk = keys_new.shape[2] if isinstance(keys_new, torch.Tensor) and keys_new.dim() == 4 else 0
+    max_len = keys.shape[2] if isinstance(keys, torch.Tensor) and keys.dim() == 4 else 0
+    # The op's overflow message, naming the argument that does not fit.
+    raise ValueError(
+        f"KV cache overflow: end={start + chunk} exceeds max_len={max_len} (start={start} does not fit in int64)"
+    )
+
+
+def as_int(name: str, value) -> int:
+    """``value`` as a Python int (anything with ``__index__``, not bool).
+
+    Raises:
+        TypeError: Naming ``name``, for a bool or a value that is not an integer.
+    """
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
