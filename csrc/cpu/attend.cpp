@@ -37,6 +37,7 @@
 
 #include "kvcache/attend_cpu.h"
 
+#include "../core/merge.h"
 #include "../core/visibility.h"
 #include "../ops/attend.h"
 #include "attend_plan.h"
@@ -103,18 +104,18 @@ namespace {
 constexpr int64_t kTileRows = 64;
 // The chunk loops (Plan::gemm) keep a strip of the packed keys or of the
 // values in L1 whatever the rows, so their tasks take twice the rows: each
-// task re-reads the row's keys and values from memory, half as often
-// (measured: 0.8-0.9x the time of 64-row tasks at seq 128, 4096 filled).
+// task re-reads the row's keys and values from memory, half as often.
+// Re-tune with benchmarks/bench_attend.py --cases chunk --filled 4096 (its
+// seq-128 rows) after changing it.
 constexpr int64_t kGemmTileRows = 128;
 // Default estimated work (see work_of) above which a call uses helper
-// threads: 2e5 units, about 50 us of single-thread AVX2 work, where a
-// helper's wake-up costs about 10-20 us on an idle core; a batch-1 decode
-// with 32/8 heads, head_dim 128 goes parallel from about 128 (fp32) or 192
-// (bf16) filled slots. Measured (bench_attend.py --cases crossover) on a
-// 2-vCPU Zen3 shared with other work (load 5): parallel paid only from
-// ~1024 filled (~1.6e6 units), and at 256 filled cost 1.1-1.3x serial; a
-// quiet machine could not be measured here. Where cores are oversubscribed,
-// raise it with KVCACHE_ATTEND_PARALLEL_WORK.
+// threads: 2e5 units, about the work a helper's wake-up must pay back on an
+// idle core; a batch-1 decode with 32/8 heads, head_dim 128 goes parallel
+// from about 128 (fp32) or 192 (bf16) filled slots. Too low costs the
+// wake-up on short caches; too high leaves a core idle on long ones; on a
+// machine whose cores are shared the break-even moves up. Re-measure with
+// benchmarks/bench_attend.py --cases crossover and set
+// KVCACHE_ATTEND_PARALLEL_WORK (or AttendCpuTuning::parallel_work).
 constexpr double kDefaultParallelWork = 2e5;
 // Default fewest slots in a split of a row: two blocks; the merge of a
 // split costs about one block's output update.
@@ -289,39 +290,40 @@ double work_of(const Plan& plan, int64_t rows, int64_t slots, int64_t elem_bytes
 
 using TaskFn = void (*)(const Plan&, const Task&, Scratch&);
 
-// Combines the splits of a row: out = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s.
+// Combines the splits of a row by the rule of core/merge.h (shared with the
+// CUDA combine): out = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s over
+// the parts that saw a slot; zeros where none did (left padding), NaN where
+// a merged part carries a NaN (as the unsplit task gives).
 template <typename T>
 void merge_parts(const Plan& plan, int64_t b, int64_t kvh, int64_t first_part, int64_t parts) {
   const AttendParams& p = *plan.p;
   const int64_t G = plan.group, D = plan.dim, Dp = plan.dim_pad;
   const int64_t rows = G * p.seq;
-  std::vector<float> acc(D);
+  std::vector<float> w(static_cast<size_t>(parts));
+  std::vector<float> acc(static_cast<size_t>(D));
   for (int64_t r = 0; r < rows; ++r) {
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t s = 0; s < parts; ++s) {
-      const float* part = plan.partial + (first_part + s) * plan.part_stride;
-      mx = std::max(mx, part[rows * Dp + r]);
-    }
-    std::fill(acc.begin(), acc.end(), 0.f);
-    float sum = 0.f;
-    if (mx != -std::numeric_limits<float>::infinity()) {
-      for (int64_t s = 0; s < parts; ++s) {
-        const float* part = plan.partial + (first_part + s) * plan.part_stride;
-        const float ms = part[rows * Dp + r];
-        if (ms == -std::numeric_limits<float>::infinity()) continue;  // saw nothing
-        const float w = std::exp2(ms - mx);
-        sum += w * part[rows * Dp + rows + r];
-        const float* o = part + r * Dp;
-        for (int64_t d = 0; d < D; ++d) acc[d] += w * o[d];
-      }
-    }
-    // No part saw a slot (left padding): zeros. A NaN in the data stays NaN.
     const int64_t i = r / G, g = r % G;
-    const float inv =
-        mx == -std::numeric_limits<float>::infinity() ? 0.f : 1.f / with_sink(p, kvh * G + g, mx, sum);
+    auto part_ml = [&](int64_t s, float* m, float* l) {
+      const float* part = plan.partial + (first_part + s) * plan.part_stride;
+      *m = part[rows * Dp + r];
+      *l = part[rows * Dp + rows + r];
+    };
+    // The sink logit in the kernel's base-2 units (with_sink).
+    const bool has_sink = p.sink_logits != nullptr;
+    const float sink = has_sink ? p.sink_logits[(kvh * G + g) * p.sink_stride] * kLog2e : 0.f;
+    const float f = detail::merge_splits(
+        parts, part_ml, [](float x) { return std::exp2(x); }, has_sink, sink, w.data());
+    // merged_sum's sum, part by part (the same order of additions per
+    // element, over contiguous rows).
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t s = 0; s < parts; ++s) {
+      if (!detail::merged(w[s])) continue;  // saw nothing: not read
+      const float* o = plan.partial + (first_part + s) * plan.part_stride + r * Dp;
+      for (int64_t d = 0; d < D; ++d) acc[d] += w[s] * o[d];
+    }
     T* dst = static_cast<T*>(p.out) + b * p.out_stride[0] + (kvh * G + g) * p.out_stride[1] +
              i * p.out_stride[2];
-    for (int64_t d = 0; d < D; ++d) dst[d * p.out_stride[3]] = static_cast<T>(acc[d] * inv);
+    for (int64_t d = 0; d < D; ++d) dst[d * p.out_stride[3]] = static_cast<T>(acc[d] * f);
   }
 }
 

@@ -120,23 +120,22 @@ inline void prefetch_rows(const char* base, int64_t ld, int64_t j0, int64_t j1, 
 // pass then asks for its values kStreamAhead bytes ahead again (lines
 // already present cost one issue slot). A whole next block asked for in one
 // burst (what the integer loops do) outruns the fill buffers and leaves
-// memory idle through the other pass. Measured on a 2-vCPU AVX2 EPYC
-// (Zen 3), fp32 decode, 32/8 heads, head_dim 128, 1 thread: 0.46-0.51 of a
-// streaming read before, 0.60-0.67 after at 4096 filled, 0.51 -> 0.64-0.69
-// at 16384. The lines are asked for into L2 (prefetcht1), not L1: on a
-// 2-vCPU Zen 4 EPYC the same stream into L1 (prefetcht0, the first
-// version) reached 0.37-0.45 of a streaming read at 16384 filled and into
-// L2 0.56-0.61, on the AVX2 and the AVX-512 paths alike (an L1 has fewer
-// miss buffers than an L2; the loads then hit L2). Not re-measured on Zen 3.
+// memory idle through the other pass. The distance trades late lines (too
+// short: the tiles wait on memory) against lines evicted before use (too
+// long). The lines go into L2 (prefetcht1), not L1: an L1 has fewer miss
+// buffers than an L2, and the loads then hit L2. Re-tune with
+// benchmarks/bench_attend.py --cases decode --filled 4096 16384 (it prints
+// the fraction of a streaming read reached), with --isa avx2 and
+// --isa avx512.
 constexpr int64_t kStreamAhead = 3072;
 // A task whose keys and values exceed this many bytes (more than an L2
 // holds) streams them from further out: its weight pass goes by chunks of
 // about kPvChunkBytes of values (at least 8 slots: 8 at fp32 head_dim 64 to
 // 256 and bf16 128, 16 at bf16 64), reading the values as a forward stream instead of
 // once per 16 columns down the whole block. Smaller tasks keep one pass a
-// block: a block in cache gains nothing from chunks, and reloading O per
-// chunk cost ~15% at 256 filled (in L3); so did 8-slot chunks of 128-byte
-// rows (bf16 head_dim 64).
+// block: a block in cache gains nothing from chunks, and each chunk reloads
+// the output rows. Re-tune with benchmarks/bench_attend.py --cases decode
+// --filled 256 4096 16384 --head-dims 64 128.
 constexpr int64_t kStreamChunkBytes = int64_t(512) << 10;
 constexpr int64_t kPvChunkBytes = 2048;
 inline int64_t pv_chunk_slots(int64_t row_bytes) {
@@ -327,8 +326,9 @@ __attribute__((always_inline)) inline void qk_tile_i8(const int16_t* q, int64_t 
       }
     } else {
       // AVX2 (tiles of at most 8 sums): the C widened keys held, each query
-      // vector loaded once for them (measured ~5% faster than the order
-      // above on 16 registers).
+      // vector loaded once for them: with 16 registers this order keeps
+      // fewer values live than the one above (compare the two with
+      // benchmarks/bench_attend.py --dtypes int8 --isa avx2).
       VI kv[C];
 #pragma GCC unroll 8
       for (int c = 0; c < C; ++c) kv[c] = Dot::load_k(k + c * ldk + d);
@@ -389,7 +389,9 @@ inline void qk_rows_i8(const int16_t* q, int64_t ldq, const int8_t* k, int64_t l
 
 // qk_rows_i8 out of line, for AVX-512: in the body of run_task the register
 // allocator spilled the 3 x 8 tile's accumulators and key pointers to the
-// stack. (AVX2's small tiles stay inline: measured faster there.)
+// stack. (AVX2's small tiles stay inline: they fit its registers, and a
+// call per row of tiles costs more than it saves; bench_attend.py --dtypes
+// int8 --isa avx2 compares.)
 template <typename Dot, int R>
 __attribute__((noinline)) void qk_rows_i8_outlined(const int16_t* q, int64_t ldq, const int8_t* k,
                                                    int64_t ldk, int64_t dim, const float* qs,
@@ -500,10 +502,27 @@ inline void pv_rows_i8(const int16_t* wq, int64_t ldw, const int8_t* v, int64_t 
   for (; d < dim; d += 16) pv_tile_i8<Dot, R, 1>(wq, ldw, v + d, ldv, n, o + d, ldo, alpha, ws);
 }
 
+// Whether the integer loops round a row of largest magnitude amax > 0 (a
+// query row, or a row of a block's weights) exactly: they multiply it by
+// kQMax / amax, round to int16 and scale the int32 sums back by
+// amax / kQMax. Both factors are exact-enough float32 numbers (the first
+// finite, the second normal: no bits lost to subnormal rounding, and the
+// product of the sums and it normal too) exactly when
+// amax >= kQMax * FLT_MIN (3.9e-34). Below that (value scales or queries
+// under ~4e-34, or weights 2^-110 under the row's running max) the float
+// loops run instead: they hold any float32 product, so the answer does not
+// depend on which loops ran. One comparison per row and block: the integer
+// loops' per-element work is unchanged.
+template <typename Dot>
+inline bool i16_exact(float amax) {
+  return amax >= float(Dot::kQMax) * std::numeric_limits<float>::min();
+}
+
 // Rows [0, rows) of the block: P (the weights, value scales applied) to
 // int16 in sc.wq, then O = alpha O + P V by pv_tile_i8. Returns false, having
 // done nothing, when a row's weights are not all finite (NaN data, or an
-// infinite scale): the float loops then give the IEEE result.
+// infinite scale; the float loops then give the IEEE result) or are too
+// small for int16 rounding to be exact (i16_exact).
 template <typename Dot>
 bool pv_block_i8(const float* p, int64_t ldp, const int8_t* v, int64_t ldv, int64_t n, float* o,
                  int64_t ldo, const float* alpha, int64_t rows, int64_t dim, int16_t* wq,
@@ -513,6 +532,7 @@ bool pv_block_i8(const float* p, int64_t ldp, const int8_t* v, int64_t ldv, int6
     const float* pr = p + r * ldp;
     float wmax = 0.f;
     if (!Dot::finite_max(pr, n, wmax)) return false;
+    if (wmax > 0.f && !i16_exact<Dot>(wmax)) return false;  // tiny weights: float loops
     int16_t* w = wq + r * ldw;
     if (wmax > 0.f) {
       Dot::round_to_i16(pr, n, float(Dot::kQMax) / wmax, w);
@@ -544,9 +564,11 @@ bool pv_block_i8(const float* p, int64_t ldp, const int8_t* v, int64_t ldv, int6
 // The task's scaled query rows (sc.q, float) rounded to int16 for
 // qk_block_i8: row r becomes sc.q16[r * dim + :] * sc.qs[r], with
 // qs[r] = absmax / kQMax. A row with a NaN or infinite element gets a NaN
-// scale, so its scores are NaN as on the float path.
+// scale, so its scores are NaN as on the float path. Returns false, the
+// rounding unfinished, when a row is too small to round exactly
+// (i16_exact): the task then scores on the float queries (sc.q16_ok).
 template <typename Dot>
-inline void round_queries_i16(const Plan& plan, int64_t rows, Scratch& sc) {
+inline bool round_queries_i16(const Plan& plan, int64_t rows, Scratch& sc) {
   const int64_t D = plan.dim, Dp = plan.dim_pad;
   for (int64_t r = 0; r < rows; ++r) {
     const float* src = sc.q.data() + r * Dp;
@@ -562,10 +584,12 @@ inline void round_queries_i16(const Plan& plan, int64_t rows, Scratch& sc) {
       sc.qs[r] = finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
       continue;
     }
+    if (!i16_exact<Dot>(amax)) return false;  // tiny queries: float scores
     const float inv = float(Dot::kQMax) / amax;
     for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<int16_t>(std::nearbyint(src[d] * inv));
     sc.qs[r] = amax / float(Dot::kQMax);
   }
+  return true;
 }
 
 // o[r, :LW] = alpha[r] * o[r, :LW] + sum_j p[r, j] * v[j, :LW] for R rows
@@ -1216,7 +1240,7 @@ inline void start_task(const Plan& plan, const Task& t, Scratch& sc) {
     }
   }
   if constexpr (kI8Dot<TKV>) {
-    if (plan.i8dot) round_queries_i16<typename Vec::I8>(plan, rows, sc);
+    if (plan.i8dot) sc.q16_ok = round_queries_i16<typename Vec::I8>(plan, rows, sc);
   }
   if constexpr (kBf16Pairs<T, TKV>) {
     if (plan.bf16dot || plan.bf16qk) {  // the bf16 queries as given (qk_pairs, qk_tile_bf16)
@@ -1239,8 +1263,9 @@ inline void start_task(const Plan& plan, const Task& t, Scratch& sc) {
 }
 
 // S = Q K^T for the task's rows [ra, rb) over n keys read in place
-// (Plan::fast_k): the integer loops or the bf16 pair loops where they
-// apply, else the float ones.
+// (Plan::fast_k): the integer loops (when the task's queries were rounded
+// exactly: sc.q16_ok) or the bf16 pair loops where they apply, else the
+// float ones.
 template <typename T, typename TKV>
 inline void score_in_place(const Plan& plan, Scratch& sc, int64_t ra, int64_t rb, const TKV* k,
                            int64_t ldk, int64_t n, const Ahead* ahead) {
@@ -1253,7 +1278,7 @@ inline void score_in_place(const Plan& plan, Scratch& sc, int64_t ra, int64_t rb
     }
   }
   if constexpr (kI8Dot<TKV>) {
-    if (plan.i8dot) {
+    if (plan.i8dot && sc.q16_ok) {
       qk_block_i8<typename Vec::I8>(sc.q16.data() + ra * plan.dim, sc.qs.data() + ra, k, ldk,
                                     plan.dim, rb - ra, n, S, kBlock, ahead);
       return;

@@ -110,6 +110,9 @@ struct Scratch {
   // scales; a block's weights rounded to int16 (rows x (kBlock + 2)) and theirs.
   std::vector<int16_t> q16, wq;
   std::vector<float> qs, ws;
+  // Whether the current task's q16 holds every query row exactly
+  // (round_queries_i16): else its scores take the float loops on q.
+  bool q16_ok = false;
   // Plan::bf16dot or bf16qk: the bf16 query rows (rows x dim); bf16dot or
   // bf16pv: a block's weights rounded to bf16 (rows x kBlock).
   std::vector<c10::BFloat16> qh, pb;

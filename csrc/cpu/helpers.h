@@ -3,23 +3,24 @@
 // at::parallel_for opens an OpenMP region: the caller waits until every
 // worker has started and finished. On a machine whose cores are busy a woken
 // worker can wait a whole scheduler slice (milliseconds) for a core, and the
-// caller waits with it: measured on the shared 2-core CI machine, a 2 MiB
-// copy took 20 ms instead of 0.26 ms. run_with_helpers instead lets the
-// caller start at once and take tasks from a shared counter; helpers from
-// ATen's inter-op pool (at::launch) join when they get a core. If none
-// shows up, the caller does all the work, at the cost of one enqueue per
-// helper. Used by attend and by the cache writes.
+// caller waits with it, so a sub-millisecond copy can take a slice.
+// run_with_helpers instead lets the caller start at once and take tasks
+// from a shared counter; helpers from ATen's inter-op pool (at::launch) join
+// when they get a core. If none shows up, the caller does all the work, at
+// the cost of one enqueue per helper. Used by attend and by the cache writes.
 //
 // Hot helpers. Waking a sleeping pool thread takes tens of microseconds
 // (more on a VM, whose idle vCPU sleeps in the hypervisor), as long as a
-// whole decode-step attend over a few hundred slots: measured, a call split
-// over two threads then ran at its serial speed while OpenMP's threads,
-// which spin after a region, let SDPA use both cores. So a helper that has
-// finished stays a while (spin_us(), default 200 us; KVCACHE_HELPER_SPIN_US,
-// 0: never) polling the Lobby for the next call's crew, yielding the core
+// whole decode-step attend over a few hundred slots, so a call split over
+// two cold threads runs at its serial speed. So a helper that has finished
+// stays a while (spin_us(), default 200 us; KVCACHE_HELPER_SPIN_US, 0:
+// never) polling the Lobby for the next call's crew, yielding the core
 // between polls so that any other runnable thread (the caller's own, an
 // OpenMP worker) goes first; a call takes the hot helpers before it
-// enqueues new ones.
+// enqueues new ones. The spin trades a little idle CPU after each call for
+// decode steps that find their helpers awake; re-tune it with
+// KVCACHE_HELPER_SPIN_US and `python benchmarks/bench_attend.py --cases
+// decode --threads 2` (short rows are the ones it helps).
 #pragma once
 
 #include <ATen/Parallel.h>

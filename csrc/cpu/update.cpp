@@ -17,20 +17,16 @@ using detail::SrcRows;
 using detail::UpdateParams;
 
 // Threads: a write goes parallel only from kParallelBytes in all, and a
-// single-token decode step never does, whatever its size (a batch-16 decode
-// step once went parallel and took 10-16 ms on a busy machine instead of
-// ~15 us). The helpers come from helpers.h, not an OpenMP region: on the
-// shared 2-core CI machine an OpenMP region cost 4-20 ms when the other
-// core was busy (a 2 MiB copy took 20 ms instead of 0.26 ms), which forced
-// a 256 MiB threshold and left a quiet machine's prefill at half the speed
-// of ATen's copy_. Helpers join only when they get a core, but waking one
-// costs tens of microseconds here. Measured (update_, fp32, 8 heads,
-// head_dim 128, p50 of 400 calls, 2 threads vs 1, the machine's other core
-// partly used by others): 1 MiB 1.17-1.20x (slower), 4 MiB 0.72-0.76x in
-// two runs but 1.3x in a third, 8 MiB 0.61-0.63x, 16 MiB 0.54-0.55x, 32 MiB
-// 0.57-0.61x; with a spinning process on the other core, 32 MiB 1.17x (p50;
-// p99 6.2 ms, where ATen's parallel copy_ of the same bytes had 10 ms).
-// So from 8 MiB. KVCACHE_PARALLEL_BYTES overrides it at build time.
+// single-token decode step never does, whatever its size: a decode step's
+// copy takes microseconds, less than waking a helper, and on a busy machine
+// a helper that waits for a core would stretch it to a scheduler slice. The
+// helpers come from helpers.h, not an OpenMP region (whose caller waits for
+// every worker to start, see there). Below the threshold one thread copies
+// at memory speed for less than a helper's wake-up saves; above it the
+// second thread's bandwidth pays. Re-tune it on a machine with
+// `python benchmarks/bench_update.py --cases prefill --threads 1 2` (the
+// chunk at which 2 threads start to beat 1) and build with
+// -DKVCACHE_PARALLEL_BYTES=<bytes>.
 #ifdef KVCACHE_PARALLEL_BYTES
 constexpr int64_t kParallelBytes = KVCACHE_PARALLEL_BYTES;
 #else

@@ -47,6 +47,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "../core/merge.h"
 #include "../core/rules.h"
 #include "../core/visibility.h"
 #include "../ops/attend.h"
@@ -464,11 +465,15 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Merges the splits of one query row (b, h, i) per block.
+// Merges the splits of one query row (b, h, i) per block, by the rule of
+// core/merge.h (the CPU's merge_parts calls the same function): parts that
+// saw a slot (sum != 0) are merged, so a NaN or +inf score, which leaves
+// its part's sum NaN, makes the row NaN, as with one split.
 template <typename T>
 __global__ void __launch_bounds__(kCombineThreads)
     attend_combine_kernel(const AttnArgs a) {
   __shared__ float w_s[kMaxSplits];
+  __shared__ float factor_s;
   const int64_t prow = blockIdx.x;
   const int64_t i = prow % a.seq;
   const int64_t bh = prow / a.seq;
@@ -490,30 +495,27 @@ __global__ void __launch_bounds__(kCombineThreads)
     }
     return;
   }
-  // A split that saw no slot has sum 0 and contributes nothing (its
-  // accumulator is not read).
-  float m = -INFINITY;
-  for (int s = 0; s < a.splits; ++s) {
-    const int64_t at = s * a.total_rows + prow;
-    if (a.part_ml[2 * at + 1] > 0.f) m = fmaxf(m, a.part_ml[2 * at]);
-  }
-  if (threadIdx.x < a.splits) {
-    const int64_t at = threadIdx.x * a.total_rows + prow;
-    const float l = a.part_ml[2 * at + 1];
-    w_s[threadIdx.x] = l > 0.f ? expf(a.part_ml[2 * at] - m) : 0.f;
+  // One thread weighs the splits (at most kMaxSplits: a short serial loop,
+  // as the max over them was), every thread then merges its elements.
+  if (threadIdx.x == 0) {
+    const bool has_sink = a.sink_logits != nullptr;
+    factor_s = detail::merge_splits(
+        a.splits,
+        [&](int64_t s, float* m, float* l) {
+          const int64_t at = s * a.total_rows + prow;
+          *m = a.part_ml[2 * at];
+          *l = a.part_ml[2 * at + 1];
+        },
+        [](float x) { return expf(x); }, has_sink,
+        has_sink ? a.sink_logits[h * a.sink_stride] : 0.f, w_s);
   }
   __syncthreads();
-  float total = 0.f;
-  for (int s = 0; s < a.splits; ++s) {
-    if (w_s[s] > 0.f) total += w_s[s] * a.part_ml[2 * (s * a.total_rows + prow) + 1];
-  }
-  if (a.sink_logits != nullptr && total > 0.f) total += expf(a.sink_logits[h * a.sink_stride] - m);
+  const float f = factor_s;
   for (int d = threadIdx.x; d < D; d += kCombineThreads) {
-    float o = 0.f;
-    for (int s = 0; s < a.splits; ++s) {
-      if (w_s[s] > 0.f) o += w_s[s] * a.part_acc[(s * a.total_rows + prow) * D + d];
-    }
-    out[d * a.os[3]] = static_cast<T>(total > 0.f ? o / total : 0.f);
+    const float o = detail::merged_sum(a.splits, w_s, [&](int64_t s) {
+      return a.part_acc[(s * a.total_rows + prow) * D + d];
+    });
+    out[d * a.os[3]] = static_cast<T>(o * f);
   }
 }
 

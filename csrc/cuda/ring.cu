@@ -4,7 +4,9 @@
 // row's start; if any is negative or start + chunk would pass int32, it
 // writes -1 into every entry of the returned lengths, else start + chunk.
 // Then one kernel writes keys, values and positions: block x = one
-// (buffer, batch row, head) slab, blocks y tile the chunk's tokens; a token
+// (buffer, batch row, head) slab, blocks y tile the chunk's tokens (at most
+// 65535 of them, the grid's y limit: a longer chunk's tiles are taken in a
+// grid-stride loop, so any chunk length is written, as on the CPU); a token
 // the ring does not keep (ring_keeps) is skipped, so each slot is written
 // by one thread group only. The blocks of buffer 0, head 0 also write the
 // positions of their tokens. A row whose returned length is out of range
@@ -83,28 +85,32 @@ __global__ void ring_copy_kernel(const RingArgs a) {
   const int64_t end = detail::read_row(a.lengths_out, b);
   if (end < a.chunk || end > INT32_MAX) return;  // -1: a bad start somewhere
   const int64_t start = end - a.chunk;
-  const int64_t t = static_cast<int64_t>(blockIdx.y) * kTokensPerBlock + threadIdx.y;
-  if (t >= a.chunk) return;
-  const int64_t p = start + t;
-  if (!detail::ring_keeps(p, end, a.sinks, a.capacity)) return;
-  const int64_t slot = detail::ring_slot(p, a.sinks, a.capacity);
   const detail::DstRows d = which ? a.dst[1] : a.dst[0];
   const detail::SrcRows s = which ? a.src[1] : a.src[0];
-  char* dp = d.data + b * d.stride[0] + h * d.stride[1] + slot * d.stride[2];
-  const char* sp = s.data + b * s.stride[0] + h * s.stride[1] + t * s.stride[2];
-  switch (a.elem) {
-    case 1: copy_token<uint8_t>(dp, d.stride[3], sp, s.stride[3], a.head_dim); break;
-    case 2: copy_token<uint16_t>(dp, d.stride[3], sp, s.stride[3], a.head_dim); break;
-    case 4: copy_token<uint32_t>(dp, d.stride[3], sp, s.stride[3], a.head_dim); break;
-    case 8: copy_token<uint64_t>(dp, d.stride[3], sp, s.stride[3], a.head_dim); break;
-    default:  // other sizes (complex128): byte by byte
-      for (int64_t x = threadIdx.x; x < a.head_dim * a.elem; x += kLanes) {
-        const int64_t e = x / a.elem, byte = x - e * a.elem;
-        dp[e * d.stride[3] + byte] = sp[e * s.stride[3] + byte];
-      }
-  }
-  if (which == 0 && h == 0 && threadIdx.x == 0) {
-    a.positions[b * a.pos_stride[0] + slot * a.pos_stride[1]] = static_cast<int32_t>(p);
+  // Token t of the chunk is row threadIdx.y of tile t / kTokensPerBlock;
+  // the grid's blockIdx.y covers gridDim.y tiles per step.
+  const int64_t step = static_cast<int64_t>(gridDim.y) * kTokensPerBlock;
+  for (int64_t t = static_cast<int64_t>(blockIdx.y) * kTokensPerBlock + threadIdx.y;
+       t < a.chunk; t += step) {
+    const int64_t p = start + t;
+    if (!detail::ring_keeps(p, end, a.sinks, a.capacity)) continue;
+    const int64_t slot = detail::ring_slot(p, a.sinks, a.capacity);
+    char* dp = d.data + b * d.stride[0] + h * d.stride[1] + slot * d.stride[2];
+    const char* sp = s.data + b * s.stride[0] + h * s.stride[1] + t * s.stride[2];
+    switch (a.elem) {
+      case 1: copy_token<uint8_t>(dp, d.stride[3], sp, s.stride[3], a.head_dim); break;
+      case 2: copy_token<uint16_t>(dp, d.stride[3], sp, s.stride[3], a.head_dim); break;
+      case 4: copy_token<uint32_t>(dp, d.stride[3], sp, s.stride[3], a.head_dim); break;
+      case 8: copy_token<uint64_t>(dp, d.stride[3], sp, s.stride[3], a.head_dim); break;
+      default:  // other sizes (complex128): byte by byte
+        for (int64_t x = threadIdx.x; x < a.head_dim * a.elem; x += kLanes) {
+          const int64_t e = x / a.elem, byte = x - e * a.elem;
+          dp[e * d.stride[3] + byte] = sp[e * s.stride[3] + byte];
+        }
+    }
+    if (which == 0 && h == 0 && threadIdx.x == 0) {
+      a.positions[b * a.pos_stride[0] + slot * a.pos_stride[1]] = static_cast<int32_t>(p);
+    }
   }
 }
 
@@ -114,10 +120,6 @@ void ring_update_cuda(const RingUpdateParams& p) {
   const int64_t n = p.lengths_out.numel;
   const int64_t slabs = p.batch * p.heads;
   cuda::check_copy_slabs(slabs);  // before any launch: nothing written
-  const int64_t tiles = (p.chunk + kTokensPerBlock - 1) / kTokensPerBlock;
-  TORCH_CHECK_VALUE(tiles <= 65535, "kvcache::ring_update_ on CUDA: chunk=",
-                    p.chunk, " is too long for one launch (at most ",
-                    65535 * kTokensPerBlock, " tokens)");
   if (n > 0) {
     ring_validate_kernel<<<1, cuda::check_threads(n), 0, stream>>>(
         p.starts, p.lengths_out, n, p.chunk);
@@ -142,7 +144,11 @@ void ring_update_cuda(const RingUpdateParams& p) {
   a.sinks = p.sinks;
   a.elem = p.elem;
   a.lengths_out = p.lengths_out;
-  ring_copy_kernel<<<dim3(static_cast<unsigned>(2 * slabs), static_cast<unsigned>(tiles)),
+  // Tiles of kTokensPerBlock tokens along grid y, at most its limit 65535;
+  // the kernel loops over the rest (int64 token indices: any chunk).
+  const int64_t tiles = (p.chunk + kTokensPerBlock - 1) / kTokensPerBlock;
+  ring_copy_kernel<<<dim3(static_cast<unsigned>(2 * slabs),
+                          static_cast<unsigned>(tiles < 65535 ? tiles : 65535)),
                      dim3(kLanes, kTokensPerBlock), 0, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

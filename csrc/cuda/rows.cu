@@ -33,6 +33,8 @@ __global__ void rollback_kernel(const IntRows lengths, const IntRows n,
                                 int64_t rows) {
   // A 0-D lengths with a (k,) kv_start: the shared length (stride 0) is
   // checked against each of the k first slots; `out` keeps lengths' shape.
+  // Every row read exists: check_rollback refuses a kv_start of another
+  // shape than lengths', or an empty one with a 0-D lengths (k >= 1).
   const int64_t checks =
       kv_start.data != nullptr && kv_start.numel > rows ? kv_start.numel : rows;
   int bad = 0;
@@ -112,10 +114,13 @@ void reset_rows_cuda(const ResetRowsParams& p) {
 // source of other rows and be overwritten itself, so the moved rows' slots
 // are first gathered into a scratch buffer, then scattered: three kinds of
 // launch, in stream order.
-//  1. plan (one block): checks every index (in [0, batch)) and every length
-//     (in [0, max_len]); writes plan[b] = the length row b will have
+//  1. plan (one block): checks every index (in [0, batch)) and every row's
+//     length (in [0, max_len]; rows 0..batch-1, as the CPU checks: a 0-D
+//     lengths is every row's); writes plan[b] = the length row b will have
 //     (lengths[index[b]]), or -1 for every row if anything is bad, and the
-//     op's new lengths (per-row: plan; 0-D: unchanged) or -1.
+//     op's new lengths (per-row: plan; 0-D: unchanged) or -1. With batch 0
+//     nothing is checked and a 0-D lengths comes back as it is (the CPU's
+//     answer too).
 //  2. gather: for each row b with index[b] != b, slots [t0, t0 + chunk) of
 //     its source row (those below plan[b]) -> scratch.
 //  3. scatter: scratch -> row b.
@@ -132,11 +137,9 @@ __global__ void select_plan_kernel(const IntRows lengths, const IntRows index,
                                    const IntRows out, int64_t batch,
                                    int64_t max_len, int64_t* plan) {
   int bad = 0;
-  for (int64_t b = threadIdx.x; b < lengths.numel; b += blockDim.x) {
-    const int64_t len = detail::read_row(lengths, b);
-    bad |= !detail::length_fits(len, max_len);
-  }
   for (int64_t b = threadIdx.x; b < batch; b += blockDim.x) {
+    const int64_t len = detail::read_row(lengths, b);  // 0-D: stride 0
+    bad |= !detail::length_fits(len, max_len);
     const int64_t src = detail::read_row(index, b);
     bad |= !detail::row_index_fits(src, batch);
   }
@@ -197,9 +200,18 @@ __global__ void select_move_kernel(const MoveArgs a) {
 }
 
 void select_rows_cuda(const SelectRowsParams& p) {
-  if (p.batch <= 0) return;
+  if (p.batch <= 0 && p.out.numel <= 0) return;  // nothing to write
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(p.device_index));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (p.batch <= 0) {
+    // No row, but a 0-D lengths to return (out was allocated, not
+    // written): the plan kernel copies it (it reads no row and writes no
+    // plan entry, so it needs no scratch).
+    select_plan_kernel<<<1, cuda::check_threads(p.out.numel), 0, stream>>>(
+        p.lengths, p.index, p.out, 0, p.max_len, nullptr);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
 
   const int64_t slabs = p.batch * p.num_kv_heads;
   const int64_t row_bytes = p.head_dim * p.elem;
@@ -229,7 +241,7 @@ void select_rows_cuda(const SelectRowsParams& p) {
   auto* plan = static_cast<int64_t*>(scratch.get());
   char* slots = static_cast<char*>(scratch.get()) + plan_bytes;
 
-  const int64_t n = p.batch > p.lengths.numel ? p.batch : p.lengths.numel;
+  const int64_t n = p.batch > p.out.numel ? p.batch : p.out.numel;
   select_plan_kernel<<<1, cuda::check_threads(n), 0, stream>>>(
       p.lengths, p.index, p.out, p.batch, p.max_len, plan);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

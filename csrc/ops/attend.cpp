@@ -126,15 +126,45 @@ AttendRows check_attend(const at::Tensor& q, const at::Tensor& keys,
                     "float32 range (",
                     std::numeric_limits<float>::denorm_min(), " to ",
                     std::numeric_limits<float>::max(), "), got ", softcap);
-  if (softcap > 0.0) {
-    // The CPU kernel folds scale / softcap into the queries (float32): it
-    // must not overflow (a softcap below about 1e-39 with a usual scale).
+  // Scores must stay finite in float32, where the kernels compute them (a
+  // score of +-inf makes the softmax's inf - inf a NaN). They cannot be
+  // bounded for every input, so the bound is stated for the inputs it is
+  // meant for: query and key elements of magnitude at most 1, whose dot
+  // product is at most head_dim. The kernels work in base 2 (the CPU folds
+  // log2(e) into the queries), so the bound is
+  //   scale * log2(e) * head_dim <= FLT_MAX         (the scaled score)
+  // and with a softcap also
+  //   (scale / softcap) * head_dim <= FLT_MAX       (what tanh takes)
+  //   softcap * log2(e) <= FLT_MAX                  (the capped score).
+  // Checked in double (every operand is a finite float32 here, so no
+  // product overflows a double); head_dim 0 counts as 1.
+  {
     const int64_t d = shown(head_dim);
+    const double dims = d > 1 ? double(d) : 1.0;
     const double s = scale.value_or(d > 0 ? 1.0 / std::sqrt(double(d)) : 1.0);
-    TORCH_CHECK_VALUE(std::isfinite(static_cast<float>(s / softcap)),
-                      "softcap=", softcap, " is too small for scale=", s,
-                      ": scale / softcap must fit in float32 (the kernels "
-                      "compute in float32)");
+    constexpr double kLog2e = 1.4426950408889634;
+    constexpr double kFltMax = std::numeric_limits<float>::max();
+    TORCH_CHECK_VALUE(s * kLog2e * dims <= kFltMax, "scale=", s,
+                      " makes scores overflow float32: scale * log2(e) * "
+                      "head_dim must be at most ", kFltMax,
+                      " (the kernels compute scores in float32, in base 2; "
+                      "query and key elements of magnitude up to 1 give "
+                      "|q.k| <= head_dim=", d, "), so scale <= ",
+                      kFltMax / (kLog2e * dims));
+    if (softcap > 0.0) {
+      TORCH_CHECK_VALUE(softcap * kLog2e <= kFltMax, "softcap=", softcap,
+                        " makes capped scores overflow float32: softcap * "
+                        "log2(e) must be at most ", kFltMax,
+                        " (the kernels compute scores in float32, in base "
+                        "2), so softcap <= ", kFltMax / kLog2e);
+      TORCH_CHECK_VALUE(s / softcap * dims <= kFltMax, "softcap=", softcap,
+                        " is too small for scale=", s,
+                        ": scale / softcap * head_dim must be at most ",
+                        kFltMax,
+                        " (the kernels compute scores in float32; query "
+                        "and key elements of magnitude up to 1 give "
+                        "|q.k| <= head_dim=", d, ")");
+    }
   }
 
   const bool ring = positions.has_value();

@@ -10,6 +10,14 @@
 // scale * q.k, then softcap * tanh(score / softcap) when softcap > 0.
 // A query that sees no slot (a left-padding position) gets zeros.
 //
+// scale and softcap are bounded so that scores stay finite in float32
+// (where the kernels compute them, in base 2) for query and key elements of
+// magnitude at most 1 (|q.k| <= head_dim): scale * log2(e) * head_dim <=
+// FLT_MAX (scale <= about 2.36e38 / head_dim), and with a softcap also
+// softcap * log2(e) <= FLT_MAX (softcap <= about 2.36e38) and
+// scale / softcap * head_dim <= FLT_MAX. Larger values raise ValueError
+// naming the argument (they gave NaN: inf - inf in the softmax).
+//
 // Rings (positions given): the slots are read by the logical position each
 // one records, with the rule of csrc/core/visibility.h (sinks always
 // visible, empty (-1) and stale slots never read); lengths are logical (may

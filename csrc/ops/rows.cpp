@@ -60,6 +60,15 @@ std::vector<int64_t> check_rollback(const at::Tensor& lengths,
                         "kv_start must be a 0-D tensor or have shape (batch,), "
                         "got shape ",
                         shape_str(*kv_start));
+      // At least one row: the rows checked are kv_start's entries, and an
+      // empty kv_start would leave the shared length unchecked (the CPU
+      // returned 0, the CUDA kernel read one entry past it). Refused here,
+      // for every device and while tracing, before any kernel runs.
+      TORCH_CHECK_VALUE(kv_start->dim() == 0 || holds(kv_start->sym_size(0).sym_ge(1)),
+                        "kv_start must be a 0-D tensor or have shape (batch,) "
+                        "with batch >= 1 (a 0-D lengths is checked against "
+                        "each row's kv_start), got shape ",
+                        shape_str(*kv_start));
       check_device(*kv_start, lengths.device(), "kv_start",
                    "the device of lengths");
     } else {

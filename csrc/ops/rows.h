@@ -30,7 +30,8 @@ struct RollbackParams {
   IntRows kv_start;  // absent: 0
   IntRows out;       // lengths - n (lengths' dtype and shape), or -1 (CUDA)
   // Entries of lengths. With a 0-D lengths a (k,) kv_start is broadcast: the
-  // one length is checked against each of its k entries (as attend does).
+  // one length is checked against each of its k entries (as attend does);
+  // k >= 1 (check_rollback refuses an empty one: nothing to check against).
   int64_t rows = 0;
   const int64_t* host_new_lengths = nullptr;  // CPU: checked results
   // The tensors' device index (CUDA: the device the kernels run on).

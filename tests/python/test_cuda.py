@@ -23,7 +23,7 @@ import torch
 
 import kvcache
 
-from kv_testing import ALL_DTYPES, as_bytes, assert_same, no_host_sync, random_tensor
+from kv_testing import ALL_DTYPES, as_bytes, assert_same, forced_split, no_host_sync, random_tensor
 from references import assert_close, attention_reference, select_reference
 from references import update_reference as reference_update
 
@@ -590,6 +590,82 @@ def test_attend_matches_cpu_kernel():
     torch.testing.assert_close(out.cpu(), cpu, atol=1e-5, rtol=1e-5)
 
 
+def nan_split_case(kind):
+    """Two decode rows of 4000 slots, one KV head, 4 query heads: on CUDA each (row, KV head) is one
+    block, so the row is split into many parts (up to 64, one per 64+ slots) and merged by
+    attend_combine_kernel. Row 0 gets the bad value at slot 3000; row 1 stays clean.
+    Returns (args, kwargs, (keys, values) as float64 for the reference)."""
+    b, h, t, d = 2, 4, 4096, 64
+    g = torch.Generator().manual_seed(21)
+    q = torch.randn(b, h, 1, d, generator=g) / 4
+    lengths = torch.tensor([4000, 3500])
+    if kind == "nan-key-scale":
+        keys = torch.randint(-127, 128, (b, 1, t, d), generator=g).to(torch.int8)
+        values = torch.randint(-127, 128, (b, 1, t, d), generator=g).to(torch.int8)
+        ks = torch.rand(b, 1, t, generator=g) * 0.02 + 1e-3
+        vs = torch.rand(b, 1, t, generator=g) * 0.05 + 1e-3
+        ks[0, 0, 3000] = float("nan")
+        q = q.to(torch.bfloat16)
+        deq = (keys.double() * ks.double()[..., None], values.double() * vs.double()[..., None])
+        return (q, keys, values, lengths), dict(k_scale=ks, v_scale=vs), deq
+    keys = torch.randn(b, 1, t, d, generator=g) / 4
+    values = torch.randn(b, 1, t, d, generator=g)
+    if kind == "nan-key":
+        keys[0, 0, 3000, 7] = float("nan")
+    elif kind == "nan-query":
+        q[0, 1, 0, 7] = float("nan")
+    elif kind == "inf-score":
+        keys[0, 0, 3000] = float("inf")
+        q[0] = q[0].abs()  # every head's score at slot 3000 is +inf
+    else:
+        assert kind == "none", kind
+    return (q, keys, values, lengths), {}, (keys.double(), values.double())
+
+
+@pytest.mark.parametrize("kind", ["nan-key", "nan-query", "inf-score", "nan-key-scale", "none"])
+def test_attend_split_rows_keep_nan_as_the_cpu(kind):
+    """A NaN in a visible key, a NaN query, a NaN key scale or a +inf score make a split row NaN
+    exactly where the CPU (forced split, core/merge.h's rule) and float64 attention give NaN; the
+    other elements match both. Before the fix the combine merged only parts whose sum was > 0, so
+    a part with a NaN sum was dropped and the row came out finite."""
+    args, kw, (k_ref, v_ref) = nan_split_case(kind)
+    ref = attention_reference(args[0], k_ref, v_ref, args[3])
+    nan = torch.isnan(ref)
+    assert not nan[1].any() and (kind == "none") != bool(nan[0].any())  # the case is what it claims
+    with forced_split():
+        cpu = ops.attend(*args, **kw)
+    dev_args = [x.to(DEV) for x in args]
+    dev_kw = {k: v.to(DEV) for k, v in kw.items()}
+    with no_sync():
+        out = ops.attend(*dev_args, **dev_kw).cpu()
+    assert torch.equal(torch.isnan(cpu), nan)
+    assert torch.equal(torch.isnan(out), nan), (kind, int(torch.isnan(out).sum()), int(nan.sum()))
+    tol = 1e-5 if args[0].dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[~nan].double(), ref[~nan], atol=tol, rtol=tol)
+    torch.testing.assert_close(out[~nan], cpu[~nan], atol=tol, rtol=tol)
+
+
+def test_attend_scale_bound_holds_on_cuda():
+    """attend's scale bound (scale * log2(e) * head_dim <= FLT_MAX, csrc/ops/attend.cpp) is what the
+    CUDA kernel needs too: just under it, with query and key elements at +-1, the output is finite
+    and the one-hot float64 answer; over it (scale=1e38, which gave NaN) a ValueError."""
+    d = 64
+    g = torch.Generator().manual_seed(22)
+    q = torch.randn(2, 4, 1, d, generator=g).sign()
+    keys = (torch.rand(2, 2, 16, d, generator=g) * 2 - 1)
+    keys[0, 0, 5] = q[0, 0, 0]
+    values = torch.randn(2, 2, 16, d, generator=g)
+    lengths = torch.tensor([16, 9])
+    scale = 0.99 * torch.finfo(torch.float32).max / (1.4426950408889634 * d)
+    with no_sync():
+        out = ops.attend(q.to(DEV), keys.to(DEV), values.to(DEV), lengths.to(DEV), scale=scale)
+    ref = attention_reference(q, keys, values, lengths, scale=scale)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.cpu().double(), ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"scale=1e\+38 makes scores overflow float32"):
+        ops.attend(q.to(DEV), keys.to(DEV), values.to(DEV), lengths.to(DEV), scale=1e38)
+
+
 # ------------------------------------------------------------------ rollback and select_rows_
 
 
@@ -641,6 +717,15 @@ def test_rollback_0d_lengths_per_row_kv_start():
         bad = ops.rollback(ints(8, torch.int32), ints(4), kv_start=ints([0, 3, 5]))  # row 2: 8 - 4 < 5
     assert ok.shape == () and int(ok) == 6 and ok.dtype == torch.int32
     assert bad.shape == () and int(bad) == -1
+
+
+def test_rollback_empty_kv_start_with_0d_lengths_raises():
+    """An empty kv_start with a 0-D lengths has no row to check the rollback against: the kernel
+    read one entry past it. The shared host check refuses it (as on the CPU) before any launch."""
+    for dtype in (torch.int64, torch.int32):
+        with no_sync(), pytest.raises(ValueError, match=r"kv_start must be a 0-D tensor or have shape "
+                                                        r"\(batch,\) with batch >= 1 .* got shape \[0\]"):
+            ops.rollback(ints(8, dtype), ints(2), kv_start=ints([], dtype))
 
 
 @pytest.mark.parametrize(
@@ -728,6 +813,22 @@ def test_select_rows_several_scratch_rounds():
     assert out.tolist() == new.tolist()
 
 
+@pytest.mark.parametrize("len_dtype", [torch.int32, torch.int64])
+def test_select_rows_batch_0_returns_the_0d_length(len_dtype):
+    """Batch 0 with a 0-D lengths: nothing moves and the shared length comes back, as on the CPU.
+    Before the fix the CUDA launcher returned at once and the result was uninitialised memory."""
+    for value in (7, 0, 3):
+        keys = torch.zeros(0, 2, 8, 4, device=DEV)
+        values = torch.zeros_like(keys)
+        lengths = ints(value, len_dtype)
+        index = ints([])
+        with no_sync():
+            out = ops.select_rows_(keys, values, lengths, index)
+        cpu = ops.select_rows_(keys.cpu(), values.cpu(), lengths.cpu(), index.cpu())
+        assert out.shape == () and out.dtype == len_dtype and int(out) == value
+        assert int(cpu) == value and int(lengths) == value
+
+
 @pytest.mark.parametrize(
     "lengths,index",
     [
@@ -750,6 +851,48 @@ def test_select_rows_bad_values_write_nothing(lengths, index, index_dtype):
         out = ops.select_rows_(keys, values, ln, idx)
     assert_same(big, before)
     assert out.tolist() == [-1, -1, -1] and ln.tolist() == lengths
+
+
+# ----------------------------------------------------------------- ring_update_
+
+
+def ring_write_reference(keys, values, positions, keys_new, values_new, starts, sinks):
+    """Plain PyTorch: the ring after writing positions [start, start + chunk) of each row. A ring of
+    capacity C keeps the sinks and the last C - sinks positions of the write (earlier ones would be
+    overwritten by later ones); position p lives at slot p (p < sinks) or
+    sinks + (p - sinks) % (C - sinks)."""
+    k, v, pos = keys.clone(), values.clone(), positions.clone()
+    cap, chunk = keys.shape[2], keys_new.shape[2]
+    for b, start in enumerate(starts):
+        p = torch.arange(start, start + chunk)
+        end = start + chunk
+        kept = (p < sinks) | (p >= end - (cap - sinks))
+        p = p[kept]
+        slot = torch.where(p < sinks, p, sinks + (p - sinks) % (cap - sinks))
+        k[b][:, slot] = keys_new[b][:, kept]
+        v[b][:, slot] = values_new[b][:, kept]
+        pos[b, slot] = p.to(pos.dtype)
+    return k, v, pos
+
+
+@pytest.mark.parametrize("sinks", [0, 4])
+def test_ring_update_chunk_longer_than_one_grid(sinks):
+    """A 600,000-token chunk (75,000 tiles of 8 tokens: more than the grid's y limit of 65535, which
+    made CUDA refuse chunks above 524,280 tokens) into a ring of 64 slots: the kept tokens land where
+    the slot rule puts them, every other byte unchanged, as the CPU writes them."""
+    b, h, cap, d, chunk = 2, 2, 64, 8, 600_000
+    starts = [0, 1000]
+    keys, values = rand((b, h, cap, d), torch.float32, 31), rand((b, h, cap, d), torch.float32, 32)
+    positions = torch.full((b, cap), -1, dtype=torch.int32, device=DEV)
+    kn, vn = rand((b, h, chunk, d), torch.float32, 33), rand((b, h, chunk, d), torch.float32, 34)
+    ek, ev, epos = ring_write_reference(keys.cpu(), values.cpu(), positions.cpu(), kn.cpu(), vn.cpu(), starts, sinks)
+    ck, cv, cpos = keys.cpu(), values.cpu(), positions.cpu()
+    cpu_len = ops.ring_update_(ck, cv, cpos, kn.cpu(), vn.cpu(), torch.tensor(starts), sinks=sinks)
+    with no_sync():
+        length = ops.ring_update_(keys, values, positions, kn, vn, ints(starts), sinks=sinks)
+    assert length.tolist() == [s + chunk for s in starts] == cpu_len.tolist()
+    assert torch.equal(keys.cpu(), ek) and torch.equal(values.cpu(), ev) and torch.equal(positions.cpu(), epos)
+    assert torch.equal(keys.cpu(), ck) and torch.equal(values.cpu(), cv) and torch.equal(positions.cpu(), cpos)
 
 
 # ----------------------------------------------------------------- misc

@@ -402,6 +402,8 @@ CASES = [
     Case("attend/scale-under-float32", att(scale=1e-46), lambda: (q_(), *cache(), torch.tensor(3))),
     Case("attend/softcap-over-float32", att(softcap=1e39), lambda: (q_(), *cache(), torch.tensor(3))),
     Case("attend/softcap-under-float32", att(softcap=1e-46), lambda: (q_(), *cache(), torch.tensor(3))),
+    Case("attend/scale-overflows-scores", att(scale=1e38), lambda: (q_(), *cache(), torch.tensor(3))),
+    Case("attend/softcap-overflows-capped-scores", att(softcap=3e38), lambda: (q_(), *cache(), torch.tensor(3))),
     Case("attend/lengths-float", att(), lambda: (q_(), *cache(), torch.tensor(3.0))),
     Case("attend/sink_logits-shape", att_sl, lambda: (q_(), *cache(), torch.tensor(3), torch.zeros(H + 1))),
     Case("attend/sink_logits-dtype", att_sl,
@@ -460,6 +462,8 @@ CASES = [
          lambda: (torch.tensor(4), torch.tensor(1), torch.zeros(1, 2, dtype=torch.int64))),
     Case("rollback_/0d-lengths-kv_start-over", rb_ks, lambda: (torch.tensor(4), torch.tensor(2), torch.tensor([0, 3])),
          runtime=True),
+    Case("rollback_/0d-lengths-kv_start-empty", rb_ks,
+         lambda: (torch.tensor(4), torch.tensor(1), torch.zeros(0, dtype=torch.int64))),
     # --- select_rows_ ---
     Case("select_rows_/index-0d", sel, lambda: (*cache(), torch.tensor([1, 1]), torch.tensor(0))),
     Case("select_rows_/index-float", sel, lambda: (*cache(), torch.tensor([1, 1]), torch.tensor([0.0, 1.0]))),
