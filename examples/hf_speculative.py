@@ -19,16 +19,17 @@ round on the same ``kvcache.hf.KVCache`` (``attn_implementation="kvcache"``):
    ``rollback``: it moves lengths, copies nothing).
 
 Greedy verification makes the text identical to plain greedy decoding; the
-script checks it every round and exits 1 if not. It prints the CPU, the
-tokens/s of both (median and min-max over ``--repeats`` rounds, interleaved)
-and the speed-up. 1 thread by default (``--threads``).
+script checks it every round and exits 1 if not. It prints the CPU and thread
+count, the tokens/s of both (median and min-max over ``--repeats`` rounds,
+interleaved), the speed-up and the generated text. 1 thread by default
+(``--threads``). The speed-up is this machine's: it depends on the CPU, the
+threads and the load.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -43,7 +44,7 @@ if not sys.stderr.isatty():
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_generate import locate_gguf  # noqa: E402  (the same download and cache folder)
+from hf_generate import cpu_model, locate_gguf, machine  # noqa: E402  (the same download and cache folder)
 
 PASSAGE = """\
 The lighthouse at the end of the harbour was built in 1871 from granite blocks that were cut in a quarry \
@@ -59,17 +60,6 @@ TASK = ("Rewrite the following text, changing only the year 1871 to 1872 and the
         "ninety-four to ninety-six. Keep every other word exactly as it is.\n\n")
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gguf", default=None, help="path to SmolLM2-135M-Instruct*.gguf (else downloaded)")
@@ -81,7 +71,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-cache-len", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=3, help="rounds (each runs both, interleaved)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--show", action="store_true", help="print the generated text")
+    p.add_argument("--show", action="store_true",
+                   help="accepted for old command lines: the generated text is always printed")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -142,9 +133,10 @@ def main(argv=None) -> int:
     print(f"--- plain greedy:                 {fmt(plain_tps)}")
     print(f"--- prompt lookup (K={args.num_draft}, n={args.ngram}): {fmt(spec_tps)}")
     print(f"identical text: {same}; speed-up: {statistics.median(ratios):.2f}x "
-          f"(per round {min(ratios):.2f}-{max(ratios):.2f}x)")
-    if args.show:
-        print("\n" + tokenizer.decode(plain_ids, skip_special_tokens=True).strip())
+          f"(per round {min(ratios):.2f}-{max(ratios):.2f}x) on {machine()}: it depends on the machine and its load")
+    print(f"\n--- generated text ({plain_ids.numel()} tokens, the same with and without prompt lookup"
+          f"{'' if same else ': NOT the same, see the rounds above'}):")
+    print(tokenizer.decode(plain_ids, skip_special_tokens=True).strip())
     return 0 if same else 1
 
 
