@@ -9,6 +9,7 @@
 #include "ops/init_layer_cache.h"
 #include "ops/operators.h"
 #include "ops/ring.h"
+#include "ops/paged.h"
 #include "ops/rows.h"
 #include "ops/update.h"
 

@@ -93,19 +93,32 @@ for line in open(sys.argv[1], errors="replace"):
     if m and rows and rows[-1][2] is None:
         rows[-1][2] = int(m.group(1))
 def short(name):
-    m = re.search(r"(update_copy_kernel|validate_starts_kernel|attend_combine_kernel|attend_kernel|"
-                  r"rollback_kernel|select_plan_kernel|select_move_kernel|ring_validate_kernel|ring_copy_kernel|ring_quant_kernel)(I(f|N3c108BFloat16E|N3c104HalfE)(Li(\d+)E)?)?",
+    m = re.search(r"(paged_attend_kernel|paged_combine_kernel|paged_write_copy_kernel|paged_write_quant_kernel|"
+                  r"paged_slots_check_kernel|update_copy_kernel|validate_starts_kernel|attend_combine_kernel|attend_kernel|"
+                  r"rollback_kernel|select_plan_kernel|select_move_kernel|ring_validate_kernel|ring_copy_kernel|ring_quant_kernel)"
+                  r"(I(f|N3c108BFloat16E|N3c104HalfE)(f|a|S\d*_|N(?:S\d*_|3c10)13Float8_e4m3fnE|LN\S+?KvFormatE(\d)E)?(Li(\d+)E)?)?",
                   name)
     if not m:
         return name[:60]
     if not m.group(2):
         return m.group(1)
     dtype = {"f": "f32", "N3c108BFloat16E": "bf16", "N3c104HalfE": "f16"}[m.group(3)]
-    return f"{m.group(1)}<{dtype}" + (f",R={m.group(5)}" if m.group(5) else "") + ">"
+    kv = m.group(4)
+    if kv is None:
+        kv = ""
+    elif m.group(5):
+        kv = {"1": ",int8", "2": ",fp8"}.get(m.group(5), "")
+    elif kv == "a":
+        kv = ",int8"
+    elif "Float8" in kv:
+        kv = ",fp8"
+    else:
+        kv = ""  # the cache has q's dtype
+    return f"{m.group(1)}<{dtype}{kv}" + (f",R={m.group(7)}" if m.group(7) else "") + ">"
 print(f"== ptxas: {len(rows)} kernel builds (kernel, target, registers, stack, spill st/ld bytes)")
 for name, arch, regs, stack, st, ld in sorted(rows, key=lambda r: (short(r[0]), r[1])):
     flag = "  <- spills" if st or ld else ""
-    print(f"   {short(name):34s} {arch}  {regs:4d} regs  stack {stack:3d}  spill {st}/{ld}{flag}")
+    print(f"   {short(name):44s} {arch}  {regs:4d} regs  stack {stack:3d}  spill {st}/{ld}{flag}")
 if not rows:
     print("   (no ptxas report: nothing was recompiled; remove build/cuda for a full report)")
 PY
@@ -149,7 +162,8 @@ check_lib() {
   syms=$(nm -C "$lib")
   for k in validate_starts_kernel update_copy_kernel attend_kernel attend_combine_kernel \
            rollback_kernel select_plan_kernel select_move_kernel ring_validate_kernel ring_copy_kernel \
-           ring_quant_kernel; do
+           ring_quant_kernel paged_write_copy_kernel paged_write_quant_kernel paged_slots_check_kernel \
+           paged_attend_kernel paged_combine_kernel; do
     grep -q "$k" <<<"$syms" || missing="$missing $k"
   done
   [ -z "$missing" ] || { echo "missing CUDA kernels in $lib:$missing" >&2; exit 1; }

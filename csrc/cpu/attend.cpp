@@ -40,6 +40,7 @@
 #include "../core/merge.h"
 #include "../core/visibility.h"
 #include "../ops/attend.h"
+#include "../ops/paged.h"
 #include "attend_plan.h"
 #include "attend_vec.h"
 #include "helpers.h"
@@ -209,7 +210,7 @@ void visible(const AttendParams& p, int64_t b, int64_t i, int64_t& lo, int64_t& 
     return;
   }
   const int64_t len = p.host_lengths[b];
-  const int64_t pos = len - p.seq + i;
+  const int64_t pos = len - p.seq_of(b) + i;
   detail::visible_range(pos, p.host_kv_start ? p.host_kv_start[b] : 0, p.window, &lo, &hi);
 }
 
@@ -298,7 +299,7 @@ template <typename T>
 void merge_parts(const Plan& plan, int64_t b, int64_t kvh, int64_t first_part, int64_t parts) {
   const AttendParams& p = *plan.p;
   const int64_t G = plan.group, D = plan.dim, Dp = plan.dim_pad;
-  const int64_t rows = G * p.seq;
+  const int64_t rows = G * p.seq_of(b);
   std::vector<float> w(static_cast<size_t>(parts));
   std::vector<float> acc(static_cast<size_t>(D));
   for (int64_t r = 0; r < rows; ++r) {
@@ -322,7 +323,7 @@ void merge_parts(const Plan& plan, int64_t b, int64_t kvh, int64_t first_part, i
       for (int64_t d = 0; d < D; ++d) acc[d] += w[s] * o[d];
     }
     T* dst = static_cast<T*>(p.out) + b * p.out_stride[0] + (kvh * G + g) * p.out_stride[1] +
-             i * p.out_stride[2];
+             (p.first_token(b) + i) * p.out_stride[2];
     for (int64_t d = 0; d < D; ++d) dst[d * p.out_stride[3]] = static_cast<T>(acc[d] * f);
   }
 }
@@ -387,15 +388,17 @@ void attend_typed(const AttendParams& p) {
   }
 #endif
 
-  // Tasks: (row, KV head, tile), each over the slots its queries see.
+  // Tasks: (row, KV head, tile), each over the slots its queries see. The
+  // most tiles a row has (rows of varlen queries have fewer or as many).
   const int64_t tiles = (p.seq + plan.tile - 1) / plan.tile;
   std::vector<Task> tasks;
   std::vector<double> work;
   tasks.reserve(p.batch * p.num_kv_heads * tiles);
   double total = 0.0;
   for (int64_t b = 0; b < p.batch; ++b) {
-    for (int64_t tile = 0; tile < tiles; ++tile) {
-      const int64_t i0 = tile * plan.tile, i1 = std::min(p.seq, i0 + plan.tile);
+    const int64_t seq_b = p.seq_of(b);
+    for (int64_t tile = 0; tile * plan.tile < seq_b; ++tile) {
+      const int64_t i0 = tile * plan.tile, i1 = std::min(seq_b, i0 + plan.tile);
       int64_t lo0, hi0, lo1, hi1;
       visible(p, b, i0, lo0, hi0);
       visible(p, b, i1 - 1, lo1, hi1);
@@ -550,3 +553,4 @@ std::string attend_cpu_isa() { return attend_cpu::isa_name(attend_cpu::isa()); }
 }  // namespace kvcache
 
 KVCACHE_REGISTER_KERNEL(attend_stub, cpu, &kvcache::attend_cpu::attend_cpu_kernel);
+KVCACHE_REGISTER_KERNEL(paged_attend_stub, cpu, &kvcache::attend_cpu::attend_cpu_kernel);

@@ -1222,7 +1222,8 @@ inline void start_task(const Plan& plan, const Task& t, Scratch& sc) {
   const int64_t G = plan.group, D = plan.dim, Dp = plan.dim_pad;
   const int64_t nt = t.i1 - t.i0;
   const int64_t rows = G * nt;
-  const T* qbase = static_cast<const T*>(p.q) + t.b * p.q_stride[0];
+  const T* qbase = static_cast<const T*>(p.q) + t.b * p.q_stride[0] +
+                    p.first_token(t.b) * p.q_stride[2];
   // Rows of unit element stride and whole vectors are widened by vectors.
   const bool vec_rows = p.q_stride[3] == 1 && D % Vec::kLanes == 0;
   if (plan.f32_queries) {
@@ -1340,7 +1341,7 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
   // [task_lo, task_hi) is contiguous (both ends grow with the position).
   int64_t task_lo = t.j1, task_hi = t.j0;
   for (int64_t ti = 0; ti < nt; ++ti) {
-    const int64_t pos = len - p.seq + t.i0 + ti;
+    const int64_t pos = len - p.seq_of(t.b) + t.i0 + ti;
     int64_t a = first;
     if (p.window > 0) a = std::max(a, pos - p.window + 1);
     a = std::max(a, t.j0);
@@ -1355,22 +1356,23 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
 
   start_task<T, TKV>(plan, t, sc);
 
-  const TKV* kbase = static_cast<const TKV*>(p.k) + t.b * p.k_stride[0] + t.kvh * p.k_stride[1];
-  const TKV* vbase = static_cast<const TKV*>(p.v) + t.b * p.v_stride[0] + t.kvh * p.v_stride[1];
-  const float* kscale = nullptr;
-  const float* vscale = nullptr;
+  // The row's keys, values and scales, wherever the layout keeps them.
+  const SlotRows<TKV> K = slot_rows(p, static_cast<const TKV*>(p.k), p.k_stride, t.b, t.kvh);
+  const SlotRows<TKV> V = slot_rows(p, static_cast<const TKV*>(p.v), p.v_stride, t.b, t.kvh);
+  SlotRows<float> KS, VS;
   if constexpr (kQuantized) {
-    kscale = p.k_scale + t.b * p.ks_stride[0] + t.kvh * p.ks_stride[1];
-    vscale = p.v_scale + t.b * p.vs_stride[0] + t.kvh * p.vs_stride[1];
+    KS = slot_rows(p, p.k_scale, p.ks_stride, t.b, t.kvh);
+    VS = slot_rows(p, p.v_scale, p.vs_stride, t.b, t.kvh);
   }
+  // A block: at most kBlock slots, consecutive in memory.
+  auto block_end = [&](int64_t c0) { return c0 + std::min({kBlock, task_hi - c0, K.run(c0)}); };
   if (plan.fast_v && task_lo < task_hi) {  // the first block's values, read after its scores
-    prefetch_rows(reinterpret_cast<const char*>(vbase + task_lo * p.v_stride[2]),
-                  p.v_stride[2] * int64_t(sizeof(TKV)), 0, std::min(kBlock, task_hi - task_lo),
-                  D * int64_t(sizeof(TKV)));
+    prefetch_rows(reinterpret_cast<const char*>(V.at(task_lo)), V.ld * int64_t(sizeof(TKV)), 0,
+                  block_end(task_lo) - task_lo, D * int64_t(sizeof(TKV)));
   }
   const Ahead streams = stream_geometry<TKV>(p, D, task_hi - task_lo);
-  for (int64_t c0 = task_lo; c0 < task_hi; c0 += kBlock) {
-    const int64_t cend = std::min(c0 + kBlock, task_hi);
+  for (int64_t c0 = task_lo, cend = task_lo; c0 < task_hi; c0 = cend) {
+    cend = block_end(c0);
     // Positions that see part of [c0, cend): a contiguous run [ta, tb).
     int64_t ta = nt, tb = 0, c1 = c0;
     for (int64_t ti = 0; ti < nt; ++ti) {
@@ -1392,11 +1394,11 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
     Ahead ahead;
     if (plan.fast_k && plan.fast_v) {
       ahead = streams;
-      ahead.v_cur = reinterpret_cast<const char*>(vbase + c0 * p.v_stride[2]);
+      ahead.v_cur = reinterpret_cast<const char*>(V.at(c0));
       if (cend < task_hi) {
-        ahead.k = reinterpret_cast<const char*>(kbase + cend * p.k_stride[2]);
-        ahead.v = reinterpret_cast<const char*>(vbase + cend * p.v_stride[2]);
-        ahead.rows = std::min(kBlock, task_hi - cend);
+        ahead.k = reinterpret_cast<const char*>(K.at(cend));
+        ahead.v = reinterpret_cast<const char*>(V.at(cend));
+        ahead.rows = block_end(cend) - cend;
       }
     }
     // A chunk's block: GEMM micro-kernels over packed keys (and widened
@@ -1408,50 +1410,50 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
     if (pairs) {
       if constexpr (kBf16Pairs<T, TKV>) {
         pf.spread_over(gemm_tiles(rb - ra, n8) + gemm_tiles(rb - ra, D));
-        qk_pairs<typename Vec::Bf16>(sc.qh.data() + ra * D, kbase + c0 * p.k_stride[2], p.k_stride[2], n,
+        qk_pairs<typename Vec::Bf16>(sc.qh.data() + ra * D, K.at(c0), K.ld, n,
                                      n8, rb - ra, D, plan.qscale, S + ra * kBlock,
                                      reinterpret_cast<uint32_t*>(sc.kt.data()), pf);
       }
     } else if (gemm) {
       pf.spread_over(gemm_tiles(rb - ra, n8) + gemm_tiles(rb - ra, Dp));
-      pack_kt(kbase + c0 * p.k_stride[2], p.k_stride[2], p.k_stride[3], n, n8, D, Dp,
+      pack_kt(K.at(c0), K.ld, p.k_stride[3], n, n8, D, Dp,
               sc.kb.data(), sc.kt.data());
       qk_gemm(Q + ra * Dp, Dp, sc.kt.data(), D, rb - ra, n8, S + ra * kBlock, kBlock, pf);
     } else if (plan.fast_k) {
-      score_in_place<T>(plan, sc, ra, rb, kbase + c0 * p.k_stride[2], p.k_stride[2], n, &ahead);
+      score_in_place<T>(plan, sc, ra, rb, K.at(c0), K.ld, n, &ahead);
     } else {
-      pack_rows(kbase + c0 * p.k_stride[2], p.k_stride[2], p.k_stride[3], n, D, Dp, sc.kb.data());
+      pack_rows(K.at(c0), K.ld, p.k_stride[3], n, D, Dp, sc.kb.data());
       qk_block(Q + ra * Dp, Dp, static_cast<const float*>(sc.kb.data()), Dp, Dp, rb - ra, n,
                S + ra * kBlock, kBlock, nullptr);
     }
-    if constexpr (kQuantized) scale_columns(S, ra, rb, n, kscale + c0 * p.ks_stride[2], p.ks_stride[2]);
+    if constexpr (kQuantized) scale_columns(S, ra, rb, n, KS.at(c0), KS.ld);
     for (int64_t r = ra; r < rb; ++r) {
       const int64_t ti = r / G;
       const int64_t a = std::clamp(lo[ti], c0, c1) - c0;
       const int64_t e = std::clamp(hi[ti], c0, c1) - c0;
       softmax_row(S + r * kBlock, a, e, n8, plan.cap, m[r], l[r], alpha[r]);
     }
-    if constexpr (kQuantized) scale_columns(S, ra, rb, n, vscale + c0 * p.vs_stride[2], p.vs_stride[2]);
+    if constexpr (kQuantized) scale_columns(S, ra, rb, n, VS.at(c0), VS.ld);
     if (pairs) {
       if constexpr (kBf16Pairs<T, TKV>) {
-        pv_pairs<typename Vec::Bf16>(S + ra * kBlock, vbase + c0 * p.v_stride[2], p.v_stride[2], n, n8,
+        pv_pairs<typename Vec::Bf16>(S + ra * kBlock, V.at(c0), V.ld, n, n8,
                                      rb - ra, D, O + ra * Dp, Dp, alpha + ra, sc.pb.data(),
                                      reinterpret_cast<uint32_t*>(sc.vb.data()), pf);
       }
     } else if (gemm) {
       if (std::is_same_v<TKV, float> && plan.fast_v) {
-        pv_block_gemm(S + ra * kBlock, kBlock, vbase + c0 * p.v_stride[2], p.v_stride[2], n,
+        pv_block_gemm(S + ra * kBlock, kBlock, V.at(c0), V.ld, n,
                       O + ra * Dp, Dp, alpha + ra, rb - ra, D, pf);
       } else {
-        widen_rows(vbase + c0 * p.v_stride[2], p.v_stride[2], p.v_stride[3], n, D, Dp,
+        widen_rows(V.at(c0), V.ld, p.v_stride[3], n, D, Dp,
                    sc.vb.data());
         pv_block_gemm(S + ra * kBlock, kBlock, static_cast<const float*>(sc.vb.data()), Dp, n,
                       O + ra * Dp, Dp, alpha + ra, rb - ra, Dp, pf);
       }
     } else if (plan.fast_v) {
-      weigh_in_place<T>(plan, sc, ra, rb, vbase + c0 * p.v_stride[2], p.v_stride[2], n, &ahead);
+      weigh_in_place<T>(plan, sc, ra, rb, V.at(c0), V.ld, n, &ahead);
     } else {
-      pack_rows(vbase + c0 * p.v_stride[2], p.v_stride[2], p.v_stride[3], n, D, Dp, sc.vb.data());
+      pack_rows(V.at(c0), V.ld, p.v_stride[3], n, D, Dp, sc.vb.data());
       pv_block(S + ra * kBlock, kBlock, static_cast<const float*>(sc.vb.data()), Dp, n,
                O + ra * Dp, Dp, alpha + ra, rb - ra, Dp);
     }
@@ -1464,7 +1466,8 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
     std::copy(l, l + rows, part + rows * Dp + rows);
     return;
   }
-  T* obase = static_cast<T*>(p.out) + t.b * p.out_stride[0];
+  T* obase = static_cast<T*>(p.out) + t.b * p.out_stride[0] +
+              p.first_token(t.b) * p.out_stride[2];
   for (int64_t ti = 0; ti < nt; ++ti) {
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = ti * G + g;
@@ -1498,7 +1501,8 @@ void run_task_ring(const Plan& plan, const Task& t, Scratch& sc) {
   const int64_t rows = G * nt;
   const int64_t len = p.host_lengths[t.b];
   const int64_t first = p.host_kv_start ? p.host_kv_start[t.b] : 0;
-  const int64_t p_lo = len - p.seq + t.i0, p_hi = len - p.seq + t.i1 - 1;
+  const int64_t seq = p.seq_of(t.b);
+  const int64_t p_lo = len - seq + t.i0, p_hi = len - seq + t.i1 - 1;
   float* const Q = sc.q.data();
   float* const O = sc.o.data();
   float* const S = sc.s.data();
@@ -1622,7 +1626,8 @@ void run_task_ring(const Plan& plan, const Task& t, Scratch& sc) {
     std::copy(l, l + rows, part + rows * Dp + rows);
     return;
   }
-  T* obase = static_cast<T*>(p.out) + t.b * p.out_stride[0];
+  T* obase = static_cast<T*>(p.out) + t.b * p.out_stride[0] +
+              p.first_token(t.b) * p.out_stride[2];
   for (int64_t ti = 0; ti < nt; ++ti) {
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = ti * G + g;

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include <c10/util/BFloat16.h>
@@ -87,6 +88,50 @@ struct Plan {
 
   int64_t max_rows() const { return group * tile; }
 };
+
+// Where the slots of one (row, KV head) of a cache buffer (keys, values or
+// their scales) live: the kernel asks for the address of slot j and for how
+// many slots from j on are consecutive rows `ld` elements apart, the most a
+// block may read in place. A linear cache is one run; a paged cache
+// (AttendParams::block_table) is runs of block_size slots, one per page. A
+// new layout is a new way to answer these two questions.
+template <typename E>
+struct SlotRows {
+  const E* base = nullptr;           // linear: the row's slot 0; paged: page 0's
+  int64_t ld = 0;                    // elements between consecutive slots
+  const int32_t* table = nullptr;    // paged: the row's block table; nullptr: linear
+  int64_t table_stride = 0;
+  int64_t page_stride = 0;           // elements between pages
+  int64_t block_size = 1;
+
+  const E* at(int64_t j) const {
+    if (table == nullptr) return base + j * ld;
+    return base + int64_t(table[(j / block_size) * table_stride]) * page_stride +
+           (j % block_size) * ld;
+  }
+  int64_t run(int64_t j) const {
+    return table == nullptr ? std::numeric_limits<int64_t>::max() : block_size - j % block_size;
+  }
+};
+
+// The slots of row b, KV head kvh of a buffer with element strides
+// {row or page, head, slot, ...}.
+template <typename E>
+inline SlotRows<E> slot_rows(const AttendParams& p, const E* data, const int64_t* stride,
+                             int64_t b, int64_t kvh) {
+  SlotRows<E> r;
+  r.ld = stride[2];
+  if (p.block_table == nullptr) {
+    r.base = data + b * stride[0] + kvh * stride[1];
+    return r;
+  }
+  r.base = data + kvh * stride[1];
+  r.table = p.block_table + b * p.bt_stride[0];
+  r.table_stride = p.bt_stride[1];
+  r.page_stride = stride[0];
+  r.block_size = p.block_size;
+  return r;
+}
 
 // Query positions [i0, i1) of row b and KV head kvh, over the slots
 // [j0, j1) (the whole row unless the row is split); part < 0: the task

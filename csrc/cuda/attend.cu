@@ -51,6 +51,7 @@
 #include "../core/rules.h"
 #include "../core/visibility.h"
 #include "../ops/attend.h"
+#include "attend_common.cuh"
 #include "launch.cuh"
 
 namespace kvcache {
@@ -58,15 +59,7 @@ namespace {
 
 using detail::AttendParams;
 using detail::IntRows;
-
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-constexpr int kMaxRows = 16;           // query rows per block (R) at most
-constexpr int64_t kMinSplitSlots = 64;  // a split covers at least this many slots
-constexpr int64_t kMaxSplits = 64;
-constexpr int kCombineThreads = 128;
-// An upper bound on attend_kernel's static shared memory (per-row scalars).
-constexpr int64_t kStaticSmemBytes = 1024;
+using namespace attn_cuda;
 
 struct AttnArgs {
   const void* q;
@@ -103,15 +96,6 @@ struct AttnArgs {
   int64_t kss[3], vss[3];  // element strides (batch, KV head, slot)
 };
 
-template <typename TKV>
-constexpr bool kQuantizedKV =
-    std::is_same_v<TKV, int8_t> || std::is_same_v<TKV, c10::Float8_e4m3fn>;
-
-template <typename T>
-__device__ __forceinline__ float to_float(T x) {
-  return static_cast<float>(x);
-}
-
 // Row b's length and first slot, and whether they are usable.
 struct RowBounds {
   int64_t len;
@@ -136,45 +120,6 @@ __device__ __forceinline__ RowBounds row_bounds(const AttnArgs& a, int64_t b) {
   }
   __syncthreads();
   return shared;
-}
-
-// Loads slots [j0, j0 + n) of one (b, KV head) into kv_s (float, `pitch`
-// floats per slot). `base` points at slot 0 of that (b, KV head).
-template <typename T>
-__device__ __forceinline__ void load_tile(float* kv_s, int pitch,
-                                          const T* base, int64_t slot_stride,
-                                          int64_t elem_stride, int64_t j0,
-                                          int n, int D, bool vec) {
-  const T* rows = base + j0 * slot_stride;
-  if (vec) {
-    // 16 bytes = V elements per load; rows are V-aligned (checked on the
-    // host), and so are the shared-memory rows (pitch and D are multiples
-    // of 4 floats here), so the floats go out as float4 stores.
-    constexpr int V = 16 / sizeof(T);
-    const int per_row = D / V;
-    const int total = n * per_row;
-    for (int idx = threadIdx.x; idx < total; idx += kThreads) {
-      const int jl = idx / per_row;
-      const int c = idx - jl * per_row;
-      const uint4 raw =
-          *reinterpret_cast<const uint4*>(rows + jl * slot_stride + c * V);
-      const T* vals = reinterpret_cast<const T*>(&raw);
-      float* dst = kv_s + jl * pitch + c * V;
-#pragma unroll
-      for (int e = 0; e < V; e += 4) {
-        *reinterpret_cast<float4*>(dst + e) =
-            make_float4(to_float(vals[e]), to_float(vals[e + 1]),
-                        to_float(vals[e + 2]), to_float(vals[e + 3]));
-      }
-    }
-  } else {
-    const int total = n * D;
-    for (int idx = threadIdx.x; idx < total; idx += kThreads) {
-      const int jl = idx / D;
-      const int d = idx - jl * D;
-      kv_s[jl * pitch + d] = to_float(rows[jl * slot_stride + d * elem_stride]);
-    }
-  }
 }
 
 // The query head and position of row r (of rows_per_kv) of KV head kvh.
@@ -519,49 +464,6 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
 }
 
-// 16-byte loads of a (b, KV head, slot, element) buffer: contiguous rows,
-// and every address they form a multiple of 16 bytes.
-bool allows_vec(const void* data, const int64_t* stride, const int64_t* size,
-                int64_t elem) {
-  if (size[3] > 1 && stride[3] != 1) return false;
-  if ((size[3] * elem) % 16 != 0) return false;
-  if (reinterpret_cast<uintptr_t>(data) % 16 != 0) return false;
-  for (int k = 0; k < 3; ++k) {
-    if (size[k] > 1 && (stride[k] * elem) % 16 != 0) return false;
-  }
-  return true;
-}
-
-struct DeviceLimits {
-  int64_t smem_optin;       // shared memory per block, with the opt-in
-  int64_t multiprocessors;
-};
-
-// Two attribute queries (no sync, legal during graph capture); cheap, but
-// cached per device since every call needs them.
-DeviceLimits device_limits(int device) {
-  constexpr int kDevices = 64;
-  static std::atomic<int64_t> cached[kDevices][2];  // zero-initialized
-  if (device >= 0 && device < kDevices && cached[device][0].load() > 0) {
-    return {cached[device][0].load(), cached[device][1].load()};
-  }
-  int smem = 0, sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(
-      &smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  C10_CUDA_CHECK(
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  if (device >= 0 && device < kDevices) {
-    cached[device][1].store(sms);
-    cached[device][0].store(smem);
-  }
-  return {smem, sms};
-}
-
-int64_t smem_bytes(int R, int N, int64_t D, int P) {
-  const int64_t pitch = ((D + 31) / 32) * 32 + P;
-  return 4 * (N * pitch + 2 * R * D + R * N);
-}
-
 template <typename T, typename TKV, int R>
 void launch_rows(const AttnArgs& a, int64_t smem, dim3 grid,
                  cudaStream_t stream) {
@@ -657,23 +559,11 @@ void attend_cuda(const AttendParams& p) {
   const int64_t D = p.head_dim;
   // Shared memory: prefer R rows (the whole group when it fits), then the
   // widest slot tile that fits the device's limit.
-  int R = 1;
-  while (R < kMaxRows && R < a.rows_per_kv) R *= 2;
-  const int64_t limit =
-      dev.smem_optin - kStaticSmemBytes;
-  int N = 0;
-  int64_t smem = 0;
-  for (; R >= 1 && N == 0; R /= 2) {
-    for (int n : {64, 32, 16, 8}) {
-      const int64_t bytes = smem_bytes(R, n, D, kThreads / n);
-      if (bytes <= limit) {
-        N = n;
-        smem = bytes;
-        break;
-      }
-    }
-    if (N != 0) break;
-  }
+  const int64_t limit = dev.smem_optin - kStaticSmemBytes;
+  const TilePlan tp = plan_tiles(a.rows_per_kv, D, limit);
+  const int R = tp.R;
+  const int N = tp.N;
+  const int64_t smem = tp.smem;
   TORCH_CHECK_VALUE(N != 0, "kvcache::attend on CUDA: head_dim=", D,
                     " needs more shared memory than this GPU offers (",
                     limit, " bytes per block)");

@@ -24,6 +24,81 @@ bool attn_dtype(at::ScalarType t) {
 
 }  // namespace
 
+void check_attend_options(std::optional<double> scale, int64_t window,
+                          double softcap, int64_t head_dim) {
+  // The kernels compute in float32: the value they use is the float32 one.
+  // A double that is finite but overflows float32 (1e39) or underflows to 0
+  // (1e-46: a softcap that silently became "no softcap") is refused too.
+  if (scale.has_value()) {
+    const float f = static_cast<float>(*scale);
+    TORCH_CHECK_VALUE(std::isfinite(*scale) && std::isfinite(f) && f > 0.0f,
+                      "scale must be a finite number > 0 in float32 range (",
+                      std::numeric_limits<float>::denorm_min(), " to ",
+                      std::numeric_limits<float>::max(), "), got ", *scale);
+  }
+  TORCH_CHECK_VALUE(window >= 0, "window must be >= 0 (0: no window), got ",
+                    window);
+  const float cap32 = static_cast<float>(softcap);
+  TORCH_CHECK_VALUE(softcap == 0.0 || (std::isfinite(softcap) &&
+                                       std::isfinite(cap32) && cap32 > 0.0f),
+                    "softcap must be 0 (no cap) or a finite number > 0 in "
+                    "float32 range (",
+                    std::numeric_limits<float>::denorm_min(), " to ",
+                    std::numeric_limits<float>::max(), "), got ", softcap);
+  // Scores must stay finite in float32, where the kernels compute them (a
+  // score of +-inf makes the softmax's inf - inf a NaN). They cannot be
+  // bounded for every input, so the bound is stated for the inputs it is
+  // meant for: query and key elements of magnitude at most 1, whose dot
+  // product is at most head_dim. The kernels work in base 2 (the CPU folds
+  // log2(e) into the queries), so the bound is
+  //   scale * log2(e) * head_dim <= FLT_MAX         (the scaled score)
+  // and with a softcap also
+  //   (scale / softcap) * head_dim <= FLT_MAX       (what tanh takes)
+  //   softcap * log2(e) <= FLT_MAX                  (the capped score).
+  // Checked in double (every operand is a finite float32 here, so no
+  // product overflows a double); head_dim 0 counts as 1.
+  {
+    const int64_t d = head_dim;
+    const double dims = d > 1 ? double(d) : 1.0;
+    const double s = scale.value_or(d > 0 ? 1.0 / std::sqrt(double(d)) : 1.0);
+    constexpr double kLog2e = 1.4426950408889634;
+    constexpr double kFltMax = std::numeric_limits<float>::max();
+    TORCH_CHECK_VALUE(s * kLog2e * dims <= kFltMax, "scale=", s,
+                      " makes scores overflow float32: scale * log2(e) * "
+                      "head_dim must be at most ", kFltMax,
+                      " (the kernels compute scores in float32, in base 2; "
+                      "query and key elements of magnitude up to 1 give "
+                      "|q.k| <= head_dim=", d, "), so scale <= ",
+                      kFltMax / (kLog2e * dims));
+    if (softcap > 0.0) {
+      TORCH_CHECK_VALUE(softcap * kLog2e <= kFltMax, "softcap=", softcap,
+                        " makes capped scores overflow float32: softcap * "
+                        "log2(e) must be at most ", kFltMax,
+                        " (the kernels compute scores in float32, in base "
+                        "2), so softcap <= ", kFltMax / kLog2e);
+      TORCH_CHECK_VALUE(s / softcap * dims <= kFltMax, "softcap=", softcap,
+                        " is too small for scale=", s,
+                        ": scale / softcap * head_dim must be at most ",
+                        kFltMax,
+                        " (the kernels compute scores in float32; query "
+                        "and key elements of magnitude up to 1 give "
+                        "|q.k| <= head_dim=", d, ")");
+    }
+  }
+}
+
+void check_sink_logits(const at::Tensor& sl, const c10::SymInt& heads,
+                       const at::Device& dev) {
+  check_dense(sl, "sink_logits");
+  TORCH_CHECK_TYPE(sl.scalar_type() == at::kFloat,
+                   "sink_logits must be a torch.float32 tensor, got ",
+                   py_dtype(sl.scalar_type()));
+  TORCH_CHECK_VALUE(sl.dim() == 1 && holds(sl.sym_size(0).sym_eq(heads)),
+                    "sink_logits must have shape (num_heads=", shown(heads),
+                    ",), got ", shape_str(sl));
+  check_device(sl, dev, "sink_logits", "the device of q");
+}
+
 AttendRows check_attend(const at::Tensor& q, const at::Tensor& keys,
                         const at::Tensor& values, const at::Tensor& lengths,
                         const std::optional<at::Tensor>& kv_start,
@@ -107,82 +182,14 @@ AttendRows check_attend(const at::Tensor& q, const at::Tensor& keys,
   if (kv_start.has_value()) {
     check_row_ints(*kv_start, "kv_start", batch, dev);
   }
-  // The kernels compute in float32: the value they use is the float32 one.
-  // A double that is finite but overflows float32 (1e39) or underflows to 0
-  // (1e-46: a softcap that silently became "no softcap") is refused too.
-  if (scale.has_value()) {
-    const float f = static_cast<float>(*scale);
-    TORCH_CHECK_VALUE(std::isfinite(*scale) && std::isfinite(f) && f > 0.0f,
-                      "scale must be a finite number > 0 in float32 range (",
-                      std::numeric_limits<float>::denorm_min(), " to ",
-                      std::numeric_limits<float>::max(), "), got ", *scale);
-  }
-  TORCH_CHECK_VALUE(window >= 0, "window must be >= 0 (0: no window), got ",
-                    window);
-  const float cap32 = static_cast<float>(softcap);
-  TORCH_CHECK_VALUE(softcap == 0.0 || (std::isfinite(softcap) &&
-                                       std::isfinite(cap32) && cap32 > 0.0f),
-                    "softcap must be 0 (no cap) or a finite number > 0 in "
-                    "float32 range (",
-                    std::numeric_limits<float>::denorm_min(), " to ",
-                    std::numeric_limits<float>::max(), "), got ", softcap);
-  // Scores must stay finite in float32, where the kernels compute them (a
-  // score of +-inf makes the softmax's inf - inf a NaN). They cannot be
-  // bounded for every input, so the bound is stated for the inputs it is
-  // meant for: query and key elements of magnitude at most 1, whose dot
-  // product is at most head_dim. The kernels work in base 2 (the CPU folds
-  // log2(e) into the queries), so the bound is
-  //   scale * log2(e) * head_dim <= FLT_MAX         (the scaled score)
-  // and with a softcap also
-  //   (scale / softcap) * head_dim <= FLT_MAX       (what tanh takes)
-  //   softcap * log2(e) <= FLT_MAX                  (the capped score).
-  // Checked in double (every operand is a finite float32 here, so no
-  // product overflows a double); head_dim 0 counts as 1.
-  {
-    const int64_t d = shown(head_dim);
-    const double dims = d > 1 ? double(d) : 1.0;
-    const double s = scale.value_or(d > 0 ? 1.0 / std::sqrt(double(d)) : 1.0);
-    constexpr double kLog2e = 1.4426950408889634;
-    constexpr double kFltMax = std::numeric_limits<float>::max();
-    TORCH_CHECK_VALUE(s * kLog2e * dims <= kFltMax, "scale=", s,
-                      " makes scores overflow float32: scale * log2(e) * "
-                      "head_dim must be at most ", kFltMax,
-                      " (the kernels compute scores in float32, in base 2; "
-                      "query and key elements of magnitude up to 1 give "
-                      "|q.k| <= head_dim=", d, "), so scale <= ",
-                      kFltMax / (kLog2e * dims));
-    if (softcap > 0.0) {
-      TORCH_CHECK_VALUE(softcap * kLog2e <= kFltMax, "softcap=", softcap,
-                        " makes capped scores overflow float32: softcap * "
-                        "log2(e) must be at most ", kFltMax,
-                        " (the kernels compute scores in float32, in base "
-                        "2), so softcap <= ", kFltMax / kLog2e);
-      TORCH_CHECK_VALUE(s / softcap * dims <= kFltMax, "softcap=", softcap,
-                        " is too small for scale=", s,
-                        ": scale / softcap * head_dim must be at most ",
-                        kFltMax,
-                        " (the kernels compute scores in float32; query "
-                        "and key elements of magnitude up to 1 give "
-                        "|q.k| <= head_dim=", d, ")");
-    }
-  }
+  check_attend_options(scale, window, softcap, shown(head_dim));
 
   const bool ring = positions.has_value();
   if (ring) {
     check_positions(*positions, batch, max_len, dev);
   }
   TORCH_CHECK_VALUE(sinks >= 0, "sinks must be >= 0, got ", sinks);
-  if (sink_logits.has_value()) {
-    const at::Tensor& sl = *sink_logits;
-    check_dense(sl, "sink_logits");
-    TORCH_CHECK_TYPE(sl.scalar_type() == at::kFloat,
-                     "sink_logits must be a torch.float32 tensor, got ",
-                     py_dtype(sl.scalar_type()));
-    TORCH_CHECK_VALUE(sl.dim() == 1 && holds(sl.sym_size(0).sym_eq(heads)),
-                      "sink_logits must have shape (num_heads=", shown(heads),
-                      ",), got ", shape_str(sl));
-    check_device(sl, dev, "sink_logits", "the device of q");
-  }
+  if (sink_logits.has_value()) check_sink_logits(*sink_logits, heads, dev);
   TORCH_CHECK_VALUE(sinks == 0 || ring,
                     "sinks=", sinks, " needs positions (a ring cache); a "
                     "linear cache has no sinks");

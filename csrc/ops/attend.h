@@ -85,6 +85,33 @@ struct AttendParams {
   // the units of the scaled scores; nullptr: none.
   const float* sink_logits = nullptr;
   int64_t sink_stride = 0;
+
+  // Paged layout (block_table != nullptr; csrc/ops/paged.h): k and v are
+  // pages (num_blocks, block_size, num_kv_heads, head_dim) and k_stride /
+  // v_stride hold {page, head, slot in page, element}; slot j of row b is
+  // slot j % block_size of page block_table[b, j / block_size]. Scales are
+  // (num_blocks, block_size, num_kv_heads), ks_stride / vs_stride {page,
+  // head, slot in page}. Every entry a visible slot needs was checked to be
+  // in [0, num_blocks) (CPU; CUDA checks on the device).
+  const int32_t* block_table = nullptr;
+  int64_t bt_stride[2] = {};
+  int64_t block_size = 0;
+  int64_t num_blocks = 0;
+  // Varlen queries (host_q_start != nullptr): row b's queries are tokens
+  // [host_q_start[b], host_q_start[b + 1]) of q (total_q, num_heads,
+  // head_dim), q_stride and out_stride {0, head, token, element}; `seq` is
+  // the largest of them. On CUDA cu_seqlens_q holds the same offsets.
+  const int64_t* host_q_start = nullptr;
+  const int32_t* cu_seqlens_q = nullptr;
+  int64_t cu_stride = 1;  // cu_seqlens_q's element stride
+
+  // Row b's number of queries and the token of its first query.
+  int64_t seq_of(int64_t b) const {
+    return host_q_start != nullptr ? host_q_start[b + 1] - host_q_start[b] : seq;
+  }
+  int64_t first_token(int64_t b) const {
+    return host_q_start != nullptr ? host_q_start[b] : 0;
+  }
 };
 
 using AttendFn = void (*)(const AttendParams&);
@@ -96,6 +123,17 @@ struct AttendRows {
   std::vector<int64_t> lengths;
   std::vector<int64_t> kv_start;
 };
+
+// The options every attend takes: scale finite and > 0 in float32, window
+// >= 0, softcap 0 or finite > 0, and scores that stay finite in float32 for
+// query and key elements of magnitude up to 1 (see the file comment).
+// Raises ValueError naming the argument.
+KVCACHE_API void check_attend_options(std::optional<double> scale, int64_t window,
+                                      double softcap, int64_t head_dim);
+
+// sink_logits: dense float32 (num_heads,) on `dev`.
+KVCACHE_API void check_sink_logits(const at::Tensor& sink_logits,
+                                   const c10::SymInt& heads, const at::Device& dev);
 
 KVCACHE_API AttendRows check_attend(const at::Tensor& q, const at::Tensor& keys,
                         const at::Tensor& values, const at::Tensor& lengths,

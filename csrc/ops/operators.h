@@ -88,6 +88,16 @@
 //       ring_update_ picks, positions recorded, in one pass (one CUDA launch
 //       after the start check); same starts, checks and results.
 //
+//   paged_write_ / paged_attend  pages (num_blocks, block_size,
+//       num_kv_heads, head_dim) for many sequences (continuous batching),
+//       found through a block table (csrc/ops/paged.h): the write puts
+//       token t at slot slot_mapping[t] (-1: skipped; quantized on write for
+//       int8/fp8 pages, scales (num_blocks, block_size, num_kv_heads)); the
+//       attend reads varlen queries q (total_q, num_heads, head_dim), sequence
+//       s's at tokens [cu_seqlens_q[s], cu_seqlens_q[s + 1]), as the last of
+//       its context_lens[s] positions, and returns (total_q, num_heads,
+//       head_dim).
+//
 // Adding an operator: a line here; csrc/ops/<op>.{h,cpp} (its checks with
 // trace_check_<id>, and the entry point); csrc/cpu/<op>.cpp and
 // csrc/cuda/<op>.cu (the work); its output allocation in
@@ -148,7 +158,17 @@
     "ring_update_quantized_(Tensor(a!) keys, Tensor(b!) values, "             \
     "Tensor(c!) k_scale, Tensor(d!) v_scale, Tensor(e!) positions, "          \
     "Tensor keys_new, Tensor values_new, Tensor start, *, int sinks=0) "      \
-    "-> Tensor")
+    "-> Tensor")                                                              \
+  X(paged_write_, "paged_write_", Write, paged_write_stub,                    \
+    "paged_write_(Tensor(a!) key_pages, Tensor(b!) value_pages, Tensor key, " \
+    "Tensor value, Tensor slot_mapping, *, Tensor(c!)? key_scales=None, "     \
+    "Tensor(d!)? value_scales=None) -> ()")                                   \
+  X(paged_attend, "paged_attend", Read, paged_attend_stub,                    \
+    "paged_attend(Tensor q, Tensor key_pages, Tensor value_pages, "           \
+    "Tensor block_table, Tensor context_lens, Tensor cu_seqlens_q, *, "       \
+    "float? scale=None, int window=0, float softcap=0.0, "                    \
+    "Tensor? key_scales=None, Tensor? value_scales=None, "                    \
+    "Tensor? sink_logits=None) -> Tensor")
 
 #include "../core/device_stub.h"
 

@@ -41,6 +41,8 @@ from .rows import (  # noqa: E402
     select_rows_kv_layer_cache,
     select_rows_ring_layer_cache,
 )
+from . import paged  # noqa: E402  (kvcache.paged: pages for continuous batching)
+from .paged import BlockAllocator, PagedKVCache, attend_pages, init_paged_cache, write_pages  # noqa: E402
 
 
 def build_info() -> dict:
@@ -56,6 +58,11 @@ def build_info() -> dict:
 
 
 __all__ = [
+    "BlockAllocator",
+    "PagedKVCache",
+    "attend_pages",
+    "init_paged_cache",
+    "write_pages",
     "KVLayerCache",
     "RingKV",
     "RingLayerCache",

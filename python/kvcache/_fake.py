@@ -85,6 +85,10 @@ _OUTPUTS = {
     "reset_rows": _new_lengths,
     "check_lengths_writable": _none,
     "ring_update_": _ring_update,
+    "paged_write_": _none,
+    "paged_attend": lambda q, key_pages, value_pages, block_table, context_lens, cu_seqlens_q, **kw: q.new_empty(
+        q.shape
+    ),
     "ring_update_quantized_": lambda keys, values, k_scale, v_scale, positions, keys_new, values_new, start, *,
     sinks=0: keys.new_empty(start.shape, dtype=torch.int32),
 }

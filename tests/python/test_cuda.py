@@ -4,7 +4,8 @@ Behaviour every device shares (results against the references, layouts, GQA, win
 is tested once, with a ``device`` parameter, in the subject's file (test_update.py,
 test_attend.py, test_rows.py). Here: the -1 length convention for bad device values, CUDA
 graphs and reduce-overhead compiles, copy units and alignment, 64-bit offsets, split-K rows,
-and several GPUs.
+several GPUs, and the paged ops (paged_write_ bit-exact as the CPU, paged_attend against the
+CPU op and float64, under graph replay with changing metadata, bad metadata giving NaN).
 
 Each test names the bug it would catch. Every op call runs under
 ``torch.cuda.set_sync_debug_mode("error")`` (``no_sync``), so a hidden host
@@ -26,6 +27,10 @@ import kvcache
 from kv_testing import ALL_DTYPES, as_bytes, assert_same, forced_split, no_host_sync, random_tensor
 from references import assert_close, attention_reference, select_reference
 from references import update_reference as reference_update
+from test_paged import TOL as PAGED_TOL
+from test_paged import dequantized, make_case
+from test_paged import reference as paged_reference
+from test_ring_update_quantized import quantize_ref
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and kvcache.build_info()["with_cuda"]),
@@ -895,6 +900,310 @@ def test_ring_update_chunk_longer_than_one_grid(sinks):
     assert torch.equal(keys.cpu(), ck) and torch.equal(values.cpu(), cv) and torch.equal(positions.cpu(), cpos)
 
 
+# ----------------------------------------------------------------- paged_write_, paged_attend
+
+PAGE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn]
+QUANTIZED = (torch.int8, torch.float8_e4m3fn)
+
+
+def paged_write_case(page_dtype, n, slot_dtype=torch.int64, nb=40, bs=16, kvh=3, d=64, seed=0):
+    """Random pages (and scales for int8/fp8 pages), n tokens of bf16 (quantized pages) or the pages'
+    dtype, value with strided heads, n distinct random slots with every 7th token skipped (-1)."""
+    g = torch.Generator().manual_seed(seed)
+    src = torch.bfloat16 if page_dtype in QUANTIZED else page_dtype
+    kp = random_tensor((nb, bs, kvh, d), page_dtype, seed=seed)
+    vp = random_tensor((nb, bs, kvh, d), page_dtype, seed=seed + 1)
+    scales = {}
+    if page_dtype in QUANTIZED:
+        scales = dict(key_scales=torch.rand(nb, bs, kvh, generator=g) + 0.5,
+                      value_scales=torch.rand(nb, bs, kvh, generator=g) + 0.5)
+    key = (torch.randn(n, kvh, d, generator=g) * 3).to(src)
+    value = torch.randn(n, 2 * kvh, d, generator=g).to(src)[:, ::2]
+    slots = torch.randperm(nb * bs, generator=g)[:n]
+    slots[3::7] = -1
+    return kp, vp, key, value, slots.to(slot_dtype), scales
+
+
+def on_dev(*xs):
+    return [x.to(DEV) for x in xs]
+
+
+@pytest.mark.parametrize("page_dtype", PAGE_DTYPES)
+@pytest.mark.parametrize("n", [1, 37, 600])  # 600: past the in-block check (the check kernel's path)
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_paged_write_bit_exact_as_cpu(page_dtype, n, slot_dtype):
+    """Every byte of the pages and scales equals the CPU kernel's (plain copies and the shared
+    quantizer of core/quant.h), with no host sync; skipped tokens and other slots untouched."""
+    kp, vp, key, value, slots, scales = paged_write_case(page_dtype, n, slot_dtype)
+    dk, dv, dkey, dval, dslots = on_dev(kp, vp, key, value, slots)
+    dscales = {k: v.to(DEV) for k, v in scales.items()}
+    ops.paged_write_(kp, vp, key, value, slots, **scales)
+    with no_sync():
+        ops.paged_write_(dk, dv, dkey, dval, dslots, **dscales)
+    assert_same(dk.cpu(), kp)
+    assert_same(dv.cpu(), vp)
+    for name in scales:
+        assert_same(dscales[name].cpu(), scales[name])
+
+
+@pytest.mark.parametrize("n", [5, 600])
+@pytest.mark.parametrize("bad", ["past-end", "below-minus-one", "duplicate", "huge"])
+@pytest.mark.parametrize("page_dtype", [torch.bfloat16, torch.int8])
+def test_paged_write_bad_slots_write_nothing(n, bad, page_dtype):
+    """A slot outside [-1, num_blocks * block_size) or given twice: the CPU raises ValueError and
+    CUDA writes nothing at all (no page byte, no scale), without a host sync."""
+    kp, vp, key, value, slots, scales = paged_write_case(page_dtype, n)
+    total = kp.shape[0] * kp.shape[1]
+    if bad == "past-end":
+        slots[n // 2] = total
+    elif bad == "below-minus-one":
+        slots[-1] = -2
+    elif bad == "duplicate":
+        slots[-1] = slots[0]
+    else:
+        slots[n // 2] = 2**40
+    with pytest.raises(ValueError):
+        ops.paged_write_(kp.clone(), vp.clone(), key, value, slots,
+                         **{k: v.clone() for k, v in scales.items()})
+    dk, dv, dkey, dval, dslots = on_dev(kp, vp, key, value, slots)
+    dscales = {k: v.to(DEV) for k, v in scales.items()}
+    with no_sync():
+        ops.paged_write_(dk, dv, dkey, dval, dslots, **dscales)
+    assert_same(dk.cpu(), kp)
+    assert_same(dv.cpu(), vp)
+    for name in scales:
+        assert_same(dscales[name].cpu(), scales[name])
+
+
+# (ctx, qlens, heads, kv_heads, head_dim, block_size): decode rows split over the slots (few
+# blocks, long contexts: partials and paged_combine_kernel), a mixed batch (row slices), one
+# long prefill (many row tiles per block), MHA over one-slot pages (R = 1).
+PAGED_LAYOUTS = {
+    "decode-split": ([3000, 17, 1200], [1, 1, 1], 8, 2, 64, 16),
+    "mixed": ([37, 1, 200, 130, 0], [37, 1, 1, 9, 0], 4, 2, 32, 16),
+    "prefill": ([700], [700], 4, 1, 128, 64),
+    "mha-bs1": ([50, 80], [1, 2], 4, 4, 16, 1),
+}
+
+
+def paged_attend_case(layout, dtype, kv_dtype=None, seed=0):
+    ctx, qlens, h, kvh, d, bs = PAGED_LAYOUTS[layout]
+    q, kp, vp, table, lens, cu = make_case(ctx, qlens, heads=h, kv_heads=kvh, dim=d, block_size=bs,
+                                           dtype=torch.float32 if kv_dtype else dtype, seed=seed)
+    q = q / 4
+    scales, deq = {}, (kp.double(), vp.double())
+    if kv_dtype is not None:
+        kp, ks = quantize_ref(kp, kv_dtype)
+        vp, vs = quantize_ref(vp, kv_dtype)
+        scales = dict(key_scales=ks, value_scales=vs)
+        deq = (dequantized(kp, ks).double(), dequantized(vp, vs).double())
+    return q.to(dtype), kp, vp, table, lens, cu, scales, deq
+
+
+@pytest.mark.parametrize("layout", list(PAGED_LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("opts", [{}, dict(window=45, softcap=8.0, scale=0.2, sink_logits=True)],
+                         ids=["plain", "window-softcap-sinks"])
+def test_paged_attend_matches_cpu_and_reference(layout, dtype, kv_dtype, opts):
+    """The CUDA kernel against the CPU op on the same inputs and the float64 reference over each
+    sequence's gathered (dequantized) slots: GQA, window, softcap, learned sinks, int8/fp8 pages,
+    float32/bf16/fp16 queries, decode splits and row slices, no host sync."""
+    q, kp, vp, table, lens, cu, scales, (kref, vref) = paged_attend_case(layout, dtype, kv_dtype)
+    opts = dict(opts)
+    if opts.pop("sink_logits", False):
+        opts["sink_logits"] = torch.randn(q.shape[1], generator=torch.Generator().manual_seed(9))
+    cpu = ops.paged_attend(q, kp, vp, table, lens, cu, **scales, **opts)
+    dev_opts = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in opts.items()}
+    with no_sync():
+        out = ops.paged_attend(*on_dev(q, kp, vp, table, lens, cu),
+                               **{k: v.to(DEV) for k, v in scales.items()}, **dev_opts)
+    assert out.shape == q.shape and out.dtype == dtype
+    ref = paged_reference(q, kref, vref, table, lens, cu, **opts)
+    tol = PAGED_TOL[dtype] if kv_dtype is None else (2e-5 if dtype == torch.float32 else 2e-2)
+    assert not ref.isnan().any()
+    torch.testing.assert_close(out.cpu().double(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(out.cpu(), cpu, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("layout", ["decode-split", "mixed"])
+def test_paged_attend_window_reads_only_visible_pages(layout):
+    """Pages that slid out of the window are freed (-1 in the table) and hold NaN: never read."""
+    q, kp, vp, table, lens, cu, _, _ = paged_attend_case(layout, torch.float32)
+    window = 20
+    ref = paged_reference(q, kp.double(), vp.double(), table, lens, cu, window=window)
+    bs = kp.shape[1]
+    for s in range(len(lens)):
+        first = max(0, int(lens[s]) - int(cu[s + 1] - cu[s]) - window + 1)
+        for j in range(first // bs):
+            kp[table[s, j]] = float("nan")
+            vp[table[s, j]] = float("nan")
+            table[s, j] = -1
+    with no_sync():
+        out = ops.paged_attend(*on_dev(q, kp, vp, table, lens, cu), window=window)
+    torch.testing.assert_close(out.cpu().double(), ref, atol=2e-5, rtol=2e-5)
+
+
+# 4: decode-like (slot splits + combine); 48: row slices; 600: the write's check kernel (memset,
+# check, write: three captured nodes)
+@pytest.mark.parametrize("total_q", [4, 48, 600])
+def test_paged_cuda_graph_replayed_with_changing_metadata(total_q):
+    """One captured graph (paged_write_ + paged_attend) replayed while the slot mapping, block
+    table, context lengths and query offsets change on the device (fixed shapes: num_seqs,
+    total_q, max_blocks): each replay writes and attends as the CPU ops do with those values; a
+    replay with a bad slot writes nothing and one with a context past the table gives NaN rows."""
+    bs, kvh, h, d, seqs, steps = 16, 2, 8, 64, 3, 6
+    width = -(-steps * total_q // bs) + 1  # table columns: room for every step's tokens
+    nb = seqs * width
+    kp = torch.zeros(nb, bs, kvh, d, device=DEV)
+    vp = torch.zeros_like(kp)
+    key = torch.zeros(total_q, kvh, d, device=DEV)
+    value = torch.zeros_like(key)
+    q = torch.zeros(total_q, h, d, device=DEV)
+    slots = torch.full((total_q,), -1, dtype=torch.int64, device=DEV)
+    table = torch.full((seqs, width), -1, dtype=torch.int32, device=DEV)
+    ctx = torch.zeros(seqs, dtype=torch.int32, device=DEV)
+    cu = torch.tensor([0, total_q, total_q, total_q], dtype=torch.int32, device=DEV)
+    ctx[0] = total_q
+    table[0, : -(-total_q // bs)] = torch.arange(-(-total_q // bs), dtype=torch.int32)
+
+    def step():
+        ops.paged_write_(kp, vp, key, value, slots)
+        return ops.paged_attend(q, kp, vp, table, ctx, cu)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    kp.zero_()
+    vp.zero_()
+    ckp, cvp = kp.cpu(), vp.cpu()
+
+    rng = torch.Generator().manual_seed(5)
+    free = list(range(nb))[::-1]
+    pages = [[] for _ in range(seqs)]
+    lens = [0] * seqs
+    for it in range(steps):
+        # This step's query counts (summing to total_q), e.g. a prefill chunk and decodes.
+        cut = sorted(torch.randint(0, total_q + 1, (seqs - 1,), generator=rng).tolist())
+        qlens = [b - a for a, b in zip([0] + cut, cut + [total_q])]
+        slot_list = []
+        for sq in range(seqs):
+            for _ in range(qlens[sq]):
+                if lens[sq] % bs == 0:
+                    pages[sq].append(free.pop())
+                slot_list.append(pages[sq][-1] * bs + lens[sq] % bs)
+                lens[sq] += 1
+        tab = torch.full((seqs, width), -1, dtype=torch.int32)
+        for sq in range(seqs):
+            tab[sq, : len(pages[sq])] = torch.tensor(pages[sq], dtype=torch.int32)
+        cu_h = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32)
+        k_h = torch.randn(total_q, kvh, d, generator=rng)
+        v_h = torch.randn(total_q, kvh, d, generator=rng)
+        q_h = torch.randn(total_q, h, d, generator=rng) / 4
+        slots_h = torch.tensor(slot_list, dtype=torch.int64)
+        ctx_h = torch.tensor(lens, dtype=torch.int32)
+        for dst, src in ((key, k_h), (value, v_h), (q, q_h), (slots, slots_h), (table, tab),
+                         (ctx, ctx_h), (cu, cu_h)):
+            dst.copy_(src)
+        graph.replay()
+        ops.paged_write_(ckp, cvp, k_h, v_h, slots_h)
+        want = ops.paged_attend(q_h, ckp, cvp, tab, ctx_h, cu_h)
+        assert torch.equal(kp.cpu(), ckp) and torch.equal(vp.cpu(), cvp), it
+        torch.testing.assert_close(out.cpu(), want, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(out.cpu().double(), paged_reference(q_h, ckp.double(), cvp.double(), tab,
+                                                                       ctx_h, cu_h), atol=2e-5, rtol=2e-5)
+    # Bad values inside the graph: a duplicated slot writes nothing; a context past the table's
+    # capacity makes that sequence's rows NaN (and reads nothing past the table).
+    before_k, before_v = kp.clone(), vp.clone()
+    slots.copy_(torch.tensor([slot_list[0]] * total_q))
+    bad = max(range(seqs), key=lambda i: qlens[i])  # a sequence with queries this step
+    ctx.copy_(torch.tensor([width * bs + 1 if i == bad else lens[i] for i in range(seqs)],
+                           dtype=torch.int32))
+    graph.replay()
+    assert torch.equal(kp, before_k) and torch.equal(vp, before_v)
+    a, e = int(cu_h[bad]), int(cu_h[bad + 1])
+    assert e > a
+    assert bool(out[a:e].isnan().all())
+    assert not bool(out[:a].isnan().any()) and not bool(out[e:].isnan().any())
+
+
+BAD_META = ["page-past-end", "page-huge", "page-negative", "ctx-below-qlen", "ctx-past-capacity",
+            "ctx-negative", "cu-decreasing", "cu-end", "cu-start"]
+
+
+@pytest.mark.parametrize("layout", ["decode", "mixed"])  # slot splits + combine; row slices
+@pytest.mark.parametrize("bad", BAD_META)
+def test_paged_attend_bad_metadata_gives_nan_and_reads_nothing(layout, bad):
+    """Metadata the CPU refuses (ValueError) gives NaN on CUDA instead, without a host sync or an
+    out-of-bounds read: a bad page a query needs or a bad context length -> that sequence's rows
+    NaN, the other rows exact; cu_seqlens_q that does not tile [0, total_q) -> every row NaN. The
+    pages are a slice of a larger NaN buffer, and a page index of 2**30 would fault if read."""
+    ctx, qlens = [300, 90, 500], ([1, 1, 1] if layout == "decode" else [20, 1, 30])
+    q, kp, vp, table, lens, cu = make_case(ctx, qlens, heads=8, kv_heads=2, dim=64, block_size=16,
+                                           seed=4)
+    q = q / 4
+    ref = paged_reference(q, kp.double(), vp.double(), table, lens, cu)
+    nb = kp.shape[0]
+    big_k = torch.full((nb + 2, *kp.shape[1:]), float("nan"))
+    big_v = big_k.clone()
+    big_k[1 : nb + 1], big_v[1 : nb + 1] = kp, vp
+    table, lens, cu = table.clone(), lens.clone(), cu.clone()
+    everything = bad.startswith("cu-")
+    if bad == "page-past-end":
+        table[1, 2] = nb
+    elif bad == "page-huge":
+        table[1, 0] = 2**30
+    elif bad == "page-negative":
+        table[1, (90 - 1) // 16] = -1
+    elif bad == "ctx-below-qlen":
+        lens[1] = 0
+    elif bad == "ctx-past-capacity":
+        lens[1] = table.shape[1] * 16 + 1
+    elif bad == "ctx-negative":
+        lens[1] = -5
+    elif bad == "cu-decreasing":
+        cu[1], cu[2] = cu[2].clone(), cu[1].clone()
+        if cu[1] == cu[2]:
+            cu[1] += 1
+    elif bad == "cu-end":
+        cu[-1] -= 1
+    else:
+        cu[0] = 1
+    with pytest.raises(ValueError):
+        ops.paged_attend(q, kp, vp, table, lens, cu)
+    big_kd, big_vd = big_k.to(DEV), big_v.to(DEV)
+    with no_sync():
+        out = ops.paged_attend(q.to(DEV), big_kd[1 : nb + 1], big_vd[1 : nb + 1],
+                               *on_dev(table, lens, cu))
+    torch.cuda.synchronize()  # a fault would surface here
+    out = out.cpu()
+    if everything:
+        assert bool(out.isnan().all())
+        return
+    a, e = int(cu[1]), int(cu[2])
+    assert bool(out[a:e].isnan().all())
+    good = torch.ones(out.shape[0], dtype=torch.bool)
+    good[a:e] = False
+    torch.testing.assert_close(out[good].double(), ref[good], atol=2e-5, rtol=2e-5)
+
+
+def test_paged_attend_no_sequences_gives_nan():
+    """num_seqs = 0 with queries (cu_seqlens_q = [0] cannot end at total_q): NaN, no sync."""
+    q = rand((3, 4, 16), torch.float32)
+    kp = rand((2, 4, 2, 16), torch.float32, 1)
+    table = torch.zeros((0, 2), dtype=torch.int32, device=DEV)
+    lens = torch.zeros(0, dtype=torch.int32, device=DEV)
+    cu = torch.zeros(1, dtype=torch.int32, device=DEV)
+    with no_sync():
+        out = ops.paged_attend(q, kp, kp.clone(), table, lens, cu)
+    assert bool(out.isnan().all())
+
+
 # ----------------------------------------------------------------- misc
 
 
@@ -946,6 +1255,11 @@ def opcheck_samples():
     yield "select_rows_", ops.select_rows_.default, (filled_k, filled_v, ints([9, 16]), ints([1, 1])), {}
     yield "append_returning_", ops.append_returning_.default, (keys, values, ints([2, 0], torch.int32), kn, vn), {}
     yield "reset_rows", ops.reset_rows.default, (ints([9, 16]), ints([1])), {}
+    pq, pk, pv, ptable, plens, pcu = make_case([20, 9], [2, 1], block_size=8)
+    pk, pv = pk.to(DEV), pv.to(DEV)
+    yield "paged_attend", ops.paged_attend.default, (*on_dev(pq, pk, pv, ptable, plens, pcu),), {}
+    yield "paged_write_", ops.paged_write_.default, (pk, pv, rand((2, 2, 16), torch.float32, 6),
+                                                     rand((2, 2, 16), torch.float32, 7), ints([0, 9])), {}
 
 
 @pytest.mark.parametrize("name,op,args,kwargs", list(opcheck_samples()) if torch.cuda.is_available() else [],

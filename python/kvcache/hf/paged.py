@@ -1,0 +1,420 @@
+"""Continuous batching (``generate_batch``, ``ContinuousBatchingManager``) through kvcache's paged ops.
+
+With ``import kvcache.hf``, a model loaded with ``attn_implementation="kvcache"`` runs transformers'
+continuous batching as a ``paged|kvcache`` attention: each layer writes its new keys and values
+into transformers' own :class:`PagedAttentionCache` memory with :func:`kvcache.paged.write_pages`
+and attends over the request's pages with :func:`kvcache.paged.attend_pages`. The context is
+never gathered: transformers' ``PagedAttentionCache.update`` (write, then ``index_select`` of the
+whole context per layer) is bypassed for such models.
+
+How transformers (5.24) lays out its cache, and what this module derives from it:
+
+* One flat tensor, viewed per attention group (full / sliding layers) as rows of
+  ``(num_kv_heads, head_dim)``; a block of the group holds, for each of its ``L`` layers, a key page
+  then a value page of ``page_size`` rows: block ``b`` of layer ``i`` starts at row
+  ``b * 2 * L * page_size + 2 * i * page_size`` (keys) and ``page_size`` rows later (values). The
+  first two sectors are trash.
+* The model calls ``cache.update(k, v, layer_idx, kwargs=kwargs)`` before the attention function,
+  with per-step ``write_index`` / ``read_index`` (one int64 row index per written token / per
+  context token of each sequence, per group) and ``cu_seq_lens_q`` / ``cu_seq_lens_k``. No
+  block table reaches a non-flash attention (the decode fast path is flash-only), so the block
+  table of each group is rebuilt once per step, on the device, from one index per page.
+* Writes use per-layer strided page views ``(num_blocks, page_size, kv, d)`` (keys and values do
+  not share a byte), slot ``block * page_size + offset``; the trash rows become ``-1`` (skipped).
+  Reads use contiguous page views of ``page_size`` rows (of ``gcd(window, page_size)`` rows for
+  sliding layers), whose page index is ``row // block_size``.
+* Sliding layers hold a ring of ``sliding_window`` slots (position ``t`` at slot ``t % window``).
+  A step whose sequences each add one token, or stay within the window, is written first and
+  then attended through a virtual block table (positions shifted by a multiple of the window).
+  A step in which a sequence adds several tokens and wraps the ring would overwrite keys its own
+  earlier queries still see: for that group and step only, transformers' own sliding update is
+  used (it reads at most ``window - 1`` cached tokens per sequence) and ``attend_pages`` reads its
+  result as pages of one token.
+
+Everything here is installed by :func:`install` (called by ``import kvcache.hf``); models with
+another attention implementation keep transformers' behaviour.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+from .attention import kvcache_attention
+
+MARK = "kvcache_paged"
+"""The key under which the patched ``PagedAttentionCache.update`` hands a layer's paged call
+(:class:`LayerCall`) to the attention function through the forward's kwargs."""
+
+PAGED_ATTN_IMPLEMENTATION = "paged|kvcache"
+"""The paged attention's name, registered with ``AttentionInterface``."""
+
+CB_ATTN_IMPLEMENTATION = "kvcache_paged"
+"""The name a ``ContinuousBatchingManager`` switches a kvcache model to while it runs (and back
+when it stops), as it does ``eager`` -> ``paged|eager``: transformers 5.24 resolves any other
+``"paged|<name>"`` to ``"<name>"``, so the paged function needs a name without the prefix."""
+
+IMPLEMENTATIONS = ("kvcache", PAGED_ATTN_IMPLEMENTATION, CB_ATTN_IMPLEMENTATION)
+
+_installed = False
+_orig_update = None
+_orig_switch = None
+
+
+# --------------------------------------------------------------------------------------------- #
+# The ops (kvcache.paged's wrappers when present, else the raw operators)
+# --------------------------------------------------------------------------------------------- #
+
+def _write_pages(key_pages, value_pages, key, value, slot_mapping):
+    """Writes ``key`` / ``value`` at ``slot_mapping`` into the pages (``kvcache.paged.write_pages``)."""
+    try:
+        from kvcache.paged import write_pages
+    except ImportError:
+        torch.ops.kvcache.paged_write_(key_pages, value_pages, key, value, slot_mapping, None, None)
+        return
+    write_pages(key_pages, value_pages, key, value, slot_mapping)
+
+
+def _attend_pages(q, key_pages, value_pages, block_table, context_lens, cu_seqlens_q, scale, window,
+                  softcap, sink_logits):
+    """Paged varlen attention (``kvcache.paged.attend_pages``)."""
+    try:
+        from kvcache.paged import attend_pages
+    except ImportError:
+        return torch.ops.kvcache.paged_attend(q, key_pages, value_pages, block_table, context_lens, cu_seqlens_q,
+                                              scale, window, float(softcap or 0.0), None, None, sink_logits)
+    return attend_pages(q, key_pages, value_pages, block_table, context_lens, cu_seqlens_q, scale=scale,
+                        window=window, softcap=softcap, sink_logits=sink_logits)
+
+
+# --------------------------------------------------------------------------------------------- #
+# Per-step metadata
+# --------------------------------------------------------------------------------------------- #
+
+class GroupStep:
+    """The metadata of one attention group for one forward step, built once on the device.
+
+    Attributes:
+        gather: ``True`` when this step's sliding group falls back to transformers' window read
+            (see the module docstring); the write then happens in that read.
+        slots: ``(num_tokens,)`` int64 slots of the strided write views (``-1``: skip).
+        block_table: ``(num_seqs, max_blocks)`` int32 pages of the read views.
+        context_lens: ``(num_seqs,)`` int32 tokens each sequence's queries see the end of.
+        cu_seqlens_q: ``(num_seqs + 1,)`` int32.
+        block_size: Rows per page of the read views.
+        window: Sliding window (0: none).
+        read_index, write_index: transformers' indices (used by the gather fallback).
+    """
+
+    __slots__ = ("gather", "slots", "block_table", "context_lens", "cu_seqlens_q", "block_size", "window",
+                 "read_index", "write_index")
+
+
+class LayerCall:
+    """What the attention function needs for one layer: the step's group metadata and where the layer's pages are."""
+
+    __slots__ = ("step", "allocator", "layer_idx")
+
+    def __init__(self, step: GroupStep, allocator, layer_idx: int) -> None:
+        self.step, self.allocator, self.layer_idx = step, allocator, layer_idx
+
+
+def _diff(cu: torch.Tensor) -> torch.Tensor:
+    return (cu[1:] - cu[:-1]).to(torch.int64)
+
+
+def _take(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``src[idx]`` with ``idx`` clamped into range (the callers mask the clamped entries)."""
+    if src.numel() == 0:
+        return torch.zeros_like(idx)
+    return src[idx.clamp(0, src.numel() - 1)]
+
+
+def _past_lengths(kwargs: dict, cu_k_all: dict, cu_q: torch.Tensor, q_len: torch.Tensor) -> torch.Tensor:
+    """Each sequence's cached tokens before this step, on the device (no host sync)."""
+    full = cu_k_all.get("full_attention")
+    if full is not None:
+        return _diff(full.to(torch.int64)) - q_len
+    pos = kwargs.get("position_ids")
+    if pos is not None:
+        flat = pos.reshape(-1).to(torch.int64)
+        first = _take(flat, cu_q[:-1].to(torch.int64))
+        return torch.where(q_len > 0, first, torch.zeros_like(first))
+    raise NotImplementedError(
+        "paged|kvcache: a model with only sliding-window layers must pass position_ids to its attention "
+        "(kvcache.hf derives each sequence's length from them)")
+
+
+def _build_step(allocator, kwargs: dict, cu_k_all: dict, max_k_all: dict) -> GroupStep:
+    """Builds one group's :class:`GroupStep` from transformers' per-step kwargs (device ops only)."""
+    ai = allocator.index
+    cu_q = kwargs["cu_seq_lens_q"].to(torch.int32)
+    write_index = kwargs["write_index"][ai]
+    read_index = kwargs["read_index"][ai]
+    cu_k = cu_k_all[allocator.layer_type]
+    ml_k = int(max_k_all[allocator.layer_type])
+    ml_q = int(kwargs.get("max_length_q") or 0)
+    dev = write_index.device
+    tpp = allocator.tokens_per_page
+    stride = allocator.block_physical_stride
+    window = int(getattr(allocator, "sliding_window", 0) or 0)
+
+    step = GroupStep()
+    step.read_index, step.write_index = read_index, write_index
+    step.cu_seqlens_q = cu_q
+    step.window = window
+
+    q_len = _diff(cu_q)
+    k_len = _diff(cu_k.to(torch.int64))
+
+    if window and ml_k > window:
+        # Some sequence adds several tokens past the ring's capacity: transformers' sliding update
+        # (bounded read of <= window - 1 cached tokens per sequence) and pages of one token.
+        step.gather = True
+        step.slots = None
+        step.block_size = 1
+        width = max(ml_k, 1)
+        j = torch.arange(width, device=dev, dtype=torch.int64)
+        table = cu_k[:-1].to(torch.int64)[:, None] + j[None, :]
+        step.block_table = torch.where(j[None, :] < k_len[:, None], table, -1).to(torch.int32)
+        step.context_lens = k_len.to(torch.int32)
+        return step
+
+    step.gather = False
+    # Writes: transformers' rows -> slots of the strided (num_blocks, page_size) views; trash -> -1.
+    trash_rows = 2 * allocator.blocks_per_sector * stride
+    wi = write_index.to(torch.int64)
+    step.slots = torch.where(wi >= trash_rows, (wi // stride) * tpp + wi % tpp, torch.full_like(wi, -1))
+
+    # Reads: a virtual block table over the (shifted) positions of each sequence.
+    bs = math.gcd(window, tpp) if window else tpp
+    step.block_size = bs
+    p = _past_lengths(kwargs, cu_k_all, cu_q, q_len) if window else k_len - q_len
+    total = p + q_len                                   # tokens of each sequence, this step's included
+    old_cnt = k_len - q_len                             # cached tokens listed in read_index
+    old_start = p - old_cnt                             # position of the first of them
+    if window:
+        lo = (total - q_len - window + 1).clamp(min=0)  # first position any query of the step sees
+        shift = (lo // window) * window                 # multiple of the window: same ring slots
+        width = -(-(ml_q + 2 * window) // bs)
+    else:
+        lo = torch.zeros_like(total)
+        shift = lo
+        width = -(-max(ml_k, 1) // bs)
+    width = max(width, 1)
+    j = torch.arange(width, device=dev, dtype=torch.int64)
+    start = shift[:, None] + j[None, :] * bs           # absolute position of each virtual page's first slot
+    needed = (start + bs > lo[:, None]) & (start < total[:, None])
+    t = torch.minimum(torch.maximum(start, lo[:, None]), (total - 1).clamp(min=0)[:, None])
+    rk = cu_k[:-1].to(torch.int64)[:, None]
+    wq = cu_q[:-1].to(torch.int64)[:, None]
+    from_read = _take(read_index.to(torch.int64), rk + (t - old_start[:, None]))
+    from_write = _take(wi, wq + (t - p[:, None]))
+    row = torch.where(t < p[:, None], from_read, from_write)
+    step.block_table = torch.where(needed, row // bs, -1).to(torch.int32)
+    step.context_lens = (total - shift).to(torch.int32)
+    return step
+
+
+def _group_step(cache, allocator, kwargs: dict, cu_k_all: dict, max_k_all: dict) -> GroupStep:
+    """The step's :class:`GroupStep` for ``allocator``'s group, built by the step's first layer of the group."""
+    key = kwargs["write_index"]  # a new list each step, shared by the step's layers
+    memo = getattr(cache, "_kvcache_paged_step", None)
+    if memo is None or memo[0] is not key:
+        memo = (key, {})
+        cache._kvcache_paged_step = memo  # holds `key`: its id cannot be reused while memoized
+    steps = memo[1]
+    step = steps.get(allocator.index)
+    if step is None:
+        step = steps[allocator.index] = _build_step(allocator, kwargs, cu_k_all, max_k_all)
+    return step
+
+
+# --------------------------------------------------------------------------------------------- #
+# Page views of transformers' cache tensor
+# --------------------------------------------------------------------------------------------- #
+
+def _views(allocator, layer_idx: int, block_size: int):
+    """``(write_k, write_v, read_k, read_v)`` page views of one layer, memoized on the allocator.
+
+    The write views are ``(num_blocks, page_size, kv, d)`` strided views that share no byte; the
+    read views are contiguous ``(n, block_size, kv, d)`` views starting at the layer's first key /
+    value row (they overlap each other, and are only read).
+    """
+    memo = allocator.__dict__.setdefault("_kvcache_views", {})
+    out = memo.get((layer_idx, block_size))
+    if out is None:
+        tpp = allocator.tokens_per_page
+        num_layers = allocator.pages_per_block
+        i = allocator.layer_indices.index(layer_idx)
+        flat = allocator.cache_tensor.view(-1, allocator.num_key_value_heads, allocator.head_dim)
+        rows = flat.shape[0]
+        blocks = flat.view(rows // (2 * num_layers * tpp), 2 * num_layers, tpp, *flat.shape[1:])
+        k_rows, v_rows = flat[2 * i * tpp:], flat[(2 * i + 1) * tpp:]
+        n = v_rows.shape[0] // block_size
+        out = (blocks[:, 2 * i], blocks[:, 2 * i + 1],
+               k_rows[: n * block_size].view(n, block_size, *flat.shape[1:]),
+               v_rows[: n * block_size].view(n, block_size, *flat.shape[1:]))
+        memo[(layer_idx, block_size)] = out
+    return out
+
+
+# --------------------------------------------------------------------------------------------- #
+# The patched cache update and the attention function
+# --------------------------------------------------------------------------------------------- #
+
+def uses_kvcache(cache) -> bool:
+    """Whether ``cache`` (a ``PagedAttentionCache``) serves a model whose attention is kvcache's."""
+    return getattr(getattr(cache, "config", None), "_attn_implementation", None) in IMPLEMENTATIONS
+
+
+@torch.compiler.disable
+def paged_update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+                 kwargs: dict) -> "tuple[torch.Tensor, torch.Tensor]":
+    """``PagedAttentionCache.update`` for kvcache models: prepares the layer's paged call, copies nothing.
+
+    Args:
+        self: The ``PagedAttentionCache``.
+        key_states, value_states: ``(1, num_kv_heads, num_tokens, head_dim)`` of this step.
+        layer_idx: The model layer.
+        kwargs: The forward's kwargs, updated in place as transformers' update does
+            (``cu_seq_lens_k`` / ``max_length_k`` of the layer's group) plus :data:`MARK`.
+
+    Returns:
+        ``(key_states, value_states)`` unchanged; the attention function writes them.
+
+    Raises:
+        NotImplementedError: A block-table (flash decode fast path) batch.
+    """
+    if not uses_kvcache(self):
+        return _orig_update(self, key_states, value_states, layer_idx, kwargs=kwargs)
+    if kwargs.get("block_table") is not None:
+        raise NotImplementedError("paged|kvcache does not take transformers' flash decode fast path (block_table)")
+    allocator = self.layer_to_allocator[layer_idx]
+    cu_k_all, max_k_all = kwargs["cu_seq_lens_k"], kwargs["max_length_k"]
+    if not isinstance(cu_k_all, dict):  # already selected (a second update of the same kwargs)
+        cu_k_all, max_k_all = {allocator.layer_type: cu_k_all}, {allocator.layer_type: max_k_all}
+    step = _group_step(self, allocator, kwargs, cu_k_all, max_k_all)
+    kwargs["cu_seq_lens_k"] = cu_k_all[allocator.layer_type].to(torch.int32)
+    kwargs["max_length_k"] = max_k_all[allocator.layer_type]
+    kwargs[MARK] = LayerCall(step, allocator, layer_idx)
+    return key_states, value_states
+
+
+@torch.compiler.disable
+def paged_kvcache_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    **kwargs: Any,
+):
+    """The ``"paged|kvcache"`` attention (:data:`CB_ATTN_IMPLEMENTATION` in transformers 5.24).
+
+    Without :data:`MARK` in ``kwargs`` (a regular forward), this is
+    :func:`kvcache.hf.attention.kvcache_attention`. With it, the layer's new keys and values are
+    written into transformers' paged cache in place and the queries attend over the pages.
+
+    Args:
+        module: The attention module.
+        query: ``(1, num_heads, num_tokens, head_dim)``, the step's packed queries.
+        key, value: ``(1, num_kv_heads, num_tokens, head_dim)``, the step's new keys and values.
+        attention_mask: ``None`` under continuous batching (no mask is built).
+        dropout: Must be 0.
+        scaling: Score scale (default ``head_dim ** -0.5``).
+        sliding_window: The layer's window (its group's ring decides what is read).
+        softcap: Logit soft-capping, or ``None``.
+        **kwargs: transformers' paged kwargs; ``s_aux`` / ``sinks``: learned sink logits.
+
+    Returns:
+        ``(output (1, num_tokens, num_heads, head_dim), None)``.
+
+    Raises:
+        NotImplementedError: Attention dropout in training, non-causal attention.
+        ValueError: What ``attend_pages`` / ``write_pages`` refuse.
+    """
+    call = kwargs.pop(MARK, None)
+    if call is None:
+        return kvcache_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                 sliding_window=sliding_window, softcap=softcap, **kwargs)
+    if dropout and getattr(module, "training", False):
+        raise NotImplementedError("paged|kvcache is for inference: attention dropout is not supported")
+    if not getattr(module, "is_causal", True):
+        raise NotImplementedError("paged|kvcache supports causal self-attention only")
+    sink_logits = kwargs.get("s_aux")
+    if sink_logits is None:
+        sink_logits = kwargs.get("sinks")
+    if sink_logits is not None:
+        sink_logits = sink_logits.detach().to(torch.float32).reshape(-1)
+    step, allocator, layer_idx = call.step, call.allocator, call.layer_idx
+    q = query[0].transpose(0, 1)  # (num_tokens, num_heads, head_dim)
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    if step.gather:
+        keys, values = allocator.update(k, v, layer_idx, step.read_index, step.write_index)
+        read_k, read_v = keys.unsqueeze(1), values.unsqueeze(1)
+    else:
+        write_k, write_v, read_k, read_v = _views(allocator, layer_idx, step.block_size)
+        _write_pages(write_k, write_v, k, v, step.slots)
+    out = _attend_pages(q, read_k, read_v, step.block_table, step.context_lens, step.cu_seqlens_q, scaling,
+                        step.window, softcap, sink_logits)
+    return out.unsqueeze(0), None
+
+
+def _switch_to_cb_friendly_attn(self, model, auto_switch_to_flash: bool = True) -> None:
+    """``ContinuousBatchingManager.switch_to_cb_friendly_attn`` that keeps a kvcache attention.
+
+    A ``"kvcache"`` / ``"paged|kvcache"`` model is switched to :data:`CB_ATTN_IMPLEMENTATION` (never to
+    flash); ``stop()`` restores the original name, as for ``eager`` -> ``paged|eager``.
+    """
+    original = getattr(model.config, "_attn_implementation", None)
+    if original not in IMPLEMENTATIONS:
+        return _orig_switch(self, model, auto_switch_to_flash)
+    if original != CB_ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(CB_ATTN_IMPLEMENTATION)
+        self._original_attn_impl = original
+    return None
+
+
+def install() -> bool:
+    """Registers ``paged|kvcache`` and patches transformers' continuous batching to use it (idempotent).
+
+    Registers :func:`paged_kvcache_attention` as ``"paged|kvcache"`` and
+    :data:`CB_ATTN_IMPLEMENTATION` in ``AttentionInterface`` (``"kvcache"`` stays
+    :func:`~kvcache.hf.attention.kvcache_attention`), wraps ``PagedAttentionCache.update`` (kvcache
+    models only: no gather) and lets ``ContinuousBatchingManager`` run a kvcache model through the
+    paged function instead of refusing it.
+
+    Returns:
+        ``True`` when continuous batching was patched, ``False`` when the installed transformers
+        has no continuous batching (the regular ``"kvcache"`` attention is registered either way).
+    """
+    global _installed, _orig_update, _orig_switch
+    from ._compat import AttentionInterface
+
+    AttentionInterface.register(PAGED_ATTN_IMPLEMENTATION, paged_kvcache_attention)
+    AttentionInterface.register(CB_ATTN_IMPLEMENTATION, paged_kvcache_attention)
+    if _installed:
+        return True
+    try:
+        from transformers.generation.continuous_batching import cache as cb_cache
+        from transformers.generation.continuous_batching import continuous_api
+    except ImportError:
+        return False
+    cache_cls = cb_cache.PagedAttentionCache
+    manager_cls = getattr(continuous_api, "ContinuousBatchingManager", None)
+    if not hasattr(cache_cls, "update") or manager_cls is None:
+        return False
+    _orig_update = cache_cls.update
+    cache_cls.update = paged_update
+    _orig_switch = manager_cls.switch_to_cb_friendly_attn
+    manager_cls.switch_to_cb_friendly_attn = _switch_to_cb_friendly_attn
+    _installed = True
+    return True

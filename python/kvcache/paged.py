@@ -1,0 +1,327 @@
+"""Paged caches: keys and values in fixed-size pages for many sequences at once.
+
+Continuous batching serves requests that join and leave at every step; memory is handed out in
+pages (blocks) of ``block_size`` slots as each sequence grows, so the cache holds the tokens that
+exist rather than ``batch x max_len``. The layout is vLLM's flash layout and the memory of
+transformers' ``PagedAttentionCache`` tensors, so either can be viewed without a copy:
+
+* ``key_pages``, ``value_pages``: ``(num_blocks, block_size, num_kv_heads, head_dim)``;
+* int8 / fp8 pages carry ``key_scales``, ``value_scales``: ``(num_blocks, block_size,
+  num_kv_heads)`` float32, one scale per slot and KV head (the formats of :mod:`kvcache`'s
+  quantized caches);
+* a slot number is ``block * block_size + offset``; a block table ``(num_seqs, max_blocks)`` int32
+  lists each sequence's pages in order, padded with -1.
+
+:func:`write_pages` and :func:`attend_pages` are the two operators
+(``torch.ops.kvcache.paged_write_`` / ``paged_attend``); :class:`PagedKVCache` holds one layer's
+pages and :class:`BlockAllocator` hands out pages to sequences (allocate, free, fork with shared
+full blocks). A scheduler (which requests run in a step) is the caller's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Sequence, Union
+
+import torch
+
+from .common import kv_dtype_of
+
+_write_op = torch.ops.kvcache.paged_write_.default
+_attend_op = torch.ops.kvcache.paged_attend.default
+
+__all__ = ["write_pages", "attend_pages", "PagedKVCache", "init_paged_cache", "BlockAllocator"]
+
+
+def write_pages(
+    key_pages: torch.Tensor,
+    value_pages: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    key_scales: Optional[torch.Tensor] = None,
+    value_scales: Optional[torch.Tensor] = None,
+) -> None:
+    """Writes new tokens' keys and values into their slots of the pages, in place.
+
+    Token ``t`` goes to slot ``slot_mapping[t]`` (page ``slot // block_size``, offset
+    ``slot % block_size``); -1 skips the token (vLLM's ``reshape_and_cache_flash``). Quantized
+    pages (int8 / float8_e4m3fn) are quantized on write, one scale per (slot, KV head) written to
+    ``key_scales`` / ``value_scales``. One call, one pass over the tokens; nothing else is read or
+    written.
+
+    Args:
+        key_pages, value_pages: ``(num_blocks, block_size, num_kv_heads, head_dim)``, written.
+        key, value: ``(num_tokens, num_kv_heads, head_dim)``, the pages' dtype (float32, bfloat16
+            or float16 for quantized pages).
+        slot_mapping: ``(num_tokens,)`` int32 or int64 slots, -1 to skip.
+        key_scales, value_scales: ``(num_blocks, block_size, num_kv_heads)`` float32, given exactly
+            when the pages are quantized; written.
+
+    Raises:
+        ValueError: Shapes or devices that do not fit, tensors sharing memory, a slot outside
+            ``[-1, num_blocks * block_size)`` or a slot given twice (CPU; checked before anything
+            is written; on CUDA a bad slot mapping writes nothing).
+        TypeError: A dtype that does not fit (no implicit casts).
+    """
+    _write_op(key_pages, value_pages, key, value, slot_mapping, key_scales=key_scales,
+              value_scales=value_scales)
+
+
+def attend_pages(
+    q: torch.Tensor,
+    key_pages: torch.Tensor,
+    value_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: Optional[float] = None,
+    window: int = 0,
+    softcap: Optional[float] = None,
+    sink_logits: Optional[torch.Tensor] = None,
+    key_scales: Optional[torch.Tensor] = None,
+    value_scales: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Attention of varlen queries over each sequence's pages, read in place.
+
+    Sequence ``s`` holds ``context_lens[s]`` tokens (this step's included) at positions
+    ``0 .. context_lens[s] - 1``; position ``j`` is in slot ``j % block_size`` of page
+    ``block_table[s, j // block_size]``. Its queries are ``q[cu_seqlens_q[s]:cu_seqlens_q[s+1]]``,
+    its last tokens: query ``i`` sits at position ``context_lens[s] - q_len + i`` and attends
+    causally (with ``window``, to the last ``window`` positions up to itself). Prefill, decode and
+    mixed batches are one call; only the pages of visible positions are read (entries of other
+    blocks, past the context or freed out of a window, may be -1).
+
+    Args:
+        q: ``(total_q, num_heads, head_dim)`` float32, bfloat16 or float16 (the pages' dtype for
+            plain pages); ``num_heads`` a multiple of ``num_kv_heads``.
+        key_pages, value_pages: ``(num_blocks, block_size, num_kv_heads, head_dim)``.
+        block_table: ``(num_seqs, max_blocks)`` int32, -1 padded.
+        context_lens: ``(num_seqs,)`` int32.
+        cu_seqlens_q: ``(num_seqs + 1,)`` int32 offsets of each sequence's queries in ``q``.
+        scale: Score scale; ``None`` means ``head_dim ** -0.5``.
+        window: Sliding window (0: none).
+        softcap: Scores become ``softcap * tanh(score / softcap)``; ``None`` or 0: none.
+        sink_logits: ``(num_heads,)`` float32 learned sink logits (gpt-oss's ``s_aux``), or None.
+        key_scales, value_scales: The scales of int8 / fp8 pages (see :func:`write_pages`).
+
+    Returns:
+        ``(total_q, num_heads, head_dim)`` in ``q``'s dtype.
+
+    Raises:
+        ValueError: Shapes or devices that do not fit; ``scale`` / ``softcap`` out of range; on
+            CPU, ``cu_seqlens_q`` not starting at 0, decreasing or not ending at ``total_q``,
+            ``context_lens`` below a sequence's query count or beyond its table, a page a query
+            sees outside ``[0, num_blocks)`` (all before anything is read).
+        TypeError: Dtypes that do not fit.
+    """
+    return _attend_op(q, key_pages, value_pages, block_table, context_lens, cu_seqlens_q,
+                      scale=scale, window=window, softcap=0.0 if softcap is None else softcap,
+                      key_scales=key_scales, value_scales=value_scales, sink_logits=sink_logits)
+
+
+@dataclass
+class PagedKVCache:
+    """One layer's pages (and scales, for int8 / fp8 pages).
+
+    Attributes:
+        key_pages, value_pages: ``(num_blocks, block_size, num_kv_heads, head_dim)``.
+        key_scales, value_scales: ``(num_blocks, block_size, num_kv_heads)`` float32, or None.
+    """
+
+    key_pages: torch.Tensor
+    value_pages: torch.Tensor
+    key_scales: Optional[torch.Tensor] = None
+    value_scales: Optional[torch.Tensor] = None
+
+    @property
+    def block_size(self) -> int:
+        return self.key_pages.shape[1]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.key_pages.shape[0]
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """:func:`write_pages` into this layer's pages (key, value ``(num_tokens, kv_heads, dim)``)."""
+        write_pages(self.key_pages, self.value_pages, key, value, slot_mapping, self.key_scales,
+                    self.value_scales)
+
+    def attend(self, q: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor,
+               cu_seqlens_q: torch.Tensor, scale: Optional[float] = None, window: int = 0,
+               softcap: Optional[float] = None,
+               sink_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """:func:`attend_pages` over this layer's pages; returns ``(total_q, num_heads, dim)``."""
+        return attend_pages(q, self.key_pages, self.value_pages, block_table, context_lens,
+                            cu_seqlens_q, scale, window, softcap, sink_logits, self.key_scales,
+                            self.value_scales)
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copies pages ``src[i]`` onto pages ``dst[i]`` (int64 ``(n,)``), scales included."""
+        for t in (self.key_pages, self.value_pages, self.key_scales, self.value_scales):
+            if t is not None:
+                t.index_copy_(0, dst, t.index_select(0, src))
+
+
+def init_paged_cache(
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: Union[torch.device, str, None] = None,
+    *,
+    kv_dtype=None,
+) -> PagedKVCache:
+    """Zero-filled pages of one layer.
+
+    Args:
+        num_blocks, block_size, num_kv_heads, head_dim: The page geometry (each >= 1).
+        dtype: The model's dtype (the pages' dtype unless ``kv_dtype`` is given).
+        device: Where the pages live (default: CPU).
+        kv_dtype: ``None``, ``"int8"``/``torch.int8`` or ``"fp8"``/``torch.float8_e4m3fn``:
+            quantized pages with float32 scales (the writes quantize ``dtype`` keys and values).
+
+    Returns:
+        A :class:`PagedKVCache`.
+
+    Raises:
+        ValueError: A size below 1.
+        TypeError: An unknown ``kv_dtype``.
+    """
+    for name, v in (("num_blocks", num_blocks), ("block_size", block_size),
+                    ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    store = kv_dtype_of(kv_dtype) or dtype
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k = torch.zeros(shape, dtype=store, device=device)
+    v = torch.zeros(shape, dtype=store, device=device)
+    if store in (torch.int8, torch.float8_e4m3fn):
+        ks = torch.ones(shape[:3], dtype=torch.float32, device=device)
+        vs = torch.ones(shape[:3], dtype=torch.float32, device=device)
+        return PagedKVCache(k, v, ks, vs)
+    return PagedKVCache(k, v)
+
+
+class BlockAllocator:
+    """Hands out pages to sequences: each sequence owns a list of blocks; full blocks may be shared.
+
+    The allocator is host bookkeeping only (no tensors are touched except by :meth:`fork`'s copy
+    of a partial last block, through the caches given). Reference counts let a forked sequence
+    (beam search, parallel sampling, a shared prompt) share its parent's full blocks: a block
+    returns to the free list when its last owner frees it.
+
+    Args:
+        num_blocks: Pages in the pool.
+        block_size: Slots per page.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: List[int] = list(range(num_blocks - 1, -1, -1))
+        self._refs = [0] * num_blocks
+        self.tables: Dict[object, List[int]] = {}
+        self.lengths: Dict[object, int] = {}
+
+    @property
+    def free_blocks(self) -> int:
+        """Pages not owned by any sequence."""
+        return len(self._free)
+
+    def _take(self) -> int:
+        if not self._free:
+            raise RuntimeError(f"out of pages: all {self.num_blocks} blocks are in use")
+        b = self._free.pop()
+        self._refs[b] = 1
+        return b
+
+    def append(self, seq_id, n: int) -> torch.Tensor:
+        """Makes room for ``n`` more tokens of ``seq_id`` (a new id starts empty).
+
+        Returns:
+            ``(n,)`` int64 slot mapping of the new tokens, for :func:`write_pages`.
+
+        Raises:
+            ValueError: ``n < 0``, or appending to a block shared with another sequence (fork
+                copies a shared partial block, so this does not happen through the API).
+            RuntimeError: Out of pages (nothing is allocated then).
+        """
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        table = self.tables.setdefault(seq_id, [])
+        length = self.lengths.setdefault(seq_id, 0)
+        need = -(-(length + n) // self.block_size) - len(table)
+        if need > len(self._free):
+            raise RuntimeError(f"out of pages: {seq_id!r} needs {need} more blocks, {len(self._free)} are free")
+        if length % self.block_size and self._refs[table[-1]] > 1:
+            raise ValueError(f"the last block of {seq_id!r} is shared; fork() gives a copy")
+        for _ in range(need):
+            table.append(self._take())
+        slots = [table[p // self.block_size] * self.block_size + p % self.block_size
+                 for p in range(length, length + n)]
+        self.lengths[seq_id] = length + n
+        return torch.tensor(slots, dtype=torch.int64)
+
+    def free(self, seq_id) -> None:
+        """Releases ``seq_id``'s blocks (shared ones when their last owner frees them).
+
+        Raises:
+            KeyError: An unknown ``seq_id``.
+        """
+        for b in self.tables.pop(seq_id):
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free.append(b)
+        del self.lengths[seq_id]
+
+    def fork(self, parent, child, caches: Iterable[PagedKVCache] = ()) -> None:
+        """``child`` continues from ``parent``'s tokens: full blocks shared, a partial last block
+        copied into a new page of every cache in ``caches`` (so the two can diverge).
+
+        Raises:
+            KeyError: An unknown ``parent``.
+            ValueError: ``child`` already exists.
+            RuntimeError: Out of pages.
+        """
+        if child in self.tables:
+            raise ValueError(f"sequence {child!r} already exists")
+        table = self.tables[parent]
+        length = self.lengths[parent]
+        shared = table if length % self.block_size == 0 else table[:-1]
+        new = list(shared)
+        for b in shared:
+            self._refs[b] += 1
+        if len(shared) < len(table):
+            if not self._free:
+                for b in shared:
+                    self._refs[b] -= 1
+                raise RuntimeError("out of pages: fork needs one block for the partial last block")
+            copy = self._take()
+            new.append(copy)
+            src = torch.tensor([table[-1]])
+            dst = torch.tensor([copy])
+            for c in caches:
+                c.copy_blocks(src.to(c.key_pages.device), dst.to(c.key_pages.device))
+        self.tables[child] = new
+        self.lengths[child] = length
+
+    def block_table(self, seq_ids: Sequence, max_blocks: Optional[int] = None,
+                    device=None) -> torch.Tensor:
+        """``(len(seq_ids), max_blocks)`` int32 block table, -1 padded (``max_blocks`` defaults to
+        the longest table)."""
+        tables = [self.tables[s] for s in seq_ids]
+        width = max([len(t) for t in tables] + [1]) if max_blocks is None else max_blocks
+        out = torch.full((len(tables), width), -1, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            if len(t) > width:
+                raise ValueError(f"sequence {seq_ids[i]!r} has {len(t)} blocks, more than max_blocks={width}")
+            out[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        return out.to(device) if device is not None else out
+
+    def context_lens(self, seq_ids: Sequence, device=None) -> torch.Tensor:
+        """``(len(seq_ids),)`` int32 tokens held per sequence."""
+        return torch.tensor([self.lengths[s] for s in seq_ids], dtype=torch.int32, device=device)

@@ -1,0 +1,434 @@
+"""Paged caches (kvcache.paged): the slot-mapped write and the block-table attend against plain
+PyTorch (indexing for the write, the float64 reference over each sequence's gathered slots for the
+attend), the allocator, bad metadata refused before anything is read or written, traced paths."""
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kvcache
+from kvcache.paged import BlockAllocator, attend_pages, init_paged_cache, write_pages
+from references import attention_reference
+from test_ring_update_quantized import quantize_ref
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ------------------------------------------------------------------ helpers ---
+
+def random_layout(ctx, num_blocks, block_size, seed=0, share=False, pad=2):
+    """A block table for sequences of ctx tokens over shuffled pages (-1 padded); with share,
+    sequence 1 shares sequence 0's first page (a common prefix)."""
+    rng = random.Random(seed)
+    pages = list(range(num_blocks))
+    rng.shuffle(pages)
+    need = [-(-c // block_size) for c in ctx]
+    width = max(need + [1]) + pad
+    table = torch.full((len(ctx), width), -1, dtype=torch.int32)
+    for s, n in enumerate(need):
+        for j in range(n):
+            if share and s == 1 and j == 0 and need[0] > 0:
+                table[s, j] = table[0, 0]
+            else:
+                table[s, j] = pages.pop()
+    return table
+
+
+def gathered(pages, table, s, length):
+    """(1, kv_heads, length, dim) of sequence s's positions, by plain indexing."""
+    bs = pages.shape[1]
+    pos = torch.arange(length)
+    slots = table[s, pos // bs].long() * bs + pos % bs
+    return pages.reshape(-1, *pages.shape[2:])[slots].permute(1, 0, 2).unsqueeze(0)
+
+
+def reference(q, kp, vp, table, ctx, cu, **kw):
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for s in range(len(ctx)):
+        a, e = int(cu[s]), int(cu[s + 1])
+        if e == a:
+            continue
+        K, V = gathered(kp, table, s, int(ctx[s])), gathered(vp, table, s, int(ctx[s]))
+        qs = q[a:e].permute(1, 0, 2).unsqueeze(0)
+        out[a:e] = attention_reference(qs, K, V, torch.tensor(int(ctx[s])), **kw)[0].permute(1, 0, 2)
+    return out
+
+
+def dequantized(pages, scales):
+    return pages.float() * scales[..., None]
+
+
+def make_case(ctx, qlens, heads=4, kv_heads=2, dim=16, block_size=4, dtype=torch.float32, seed=0,
+              share=False, extra_blocks=3):
+    g = torch.Generator().manual_seed(seed)
+    need = sum(-(-c // block_size) for c in ctx)
+    nb = need + extra_blocks
+    kp = torch.randn(nb, block_size, kv_heads, dim, generator=g).to(dtype)
+    vp = torch.randn(nb, block_size, kv_heads, dim, generator=g).to(dtype)
+    table = random_layout(ctx, nb, block_size, seed=seed, share=share)
+    cu = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0).tolist()), dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), heads, dim, generator=g).to(dtype)
+    return q, kp, vp, table, torch.tensor(ctx, dtype=torch.int32), cu
+
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
+
+
+# ------------------------------------------------------------------- attend ---
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [1, 4, 16, 64, 128])
+def test_attend_mixed_batch(dtype, block_size):
+    """Prefill, decode and a chunk in one call, ragged lengths, shuffled pages, GQA."""
+    ctx, qlens = [37, 1, 200, 130, 0], [37, 1, 1, 9, 0]
+    q, kp, vp, table, lens, cu = make_case(ctx, qlens, block_size=block_size, dtype=dtype, dim=32)
+    out = attend_pages(q, kp, vp, table, lens, cu)
+    assert out.shape == q.shape and out.dtype == dtype
+    ref = reference(q, kp, vp, table, lens, cu)
+    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("opts", [dict(window=5), dict(softcap=3.0), dict(scale=0.3, window=70),
+                                  dict(sink_logits=True), dict(softcap=2.0, window=17, sink_logits=True)])
+def test_attend_options(opts):
+    ctx, qlens = [90, 150, 3], [4, 1, 3]
+    q, kp, vp, table, lens, cu = make_case(ctx, qlens, heads=6, kv_heads=3, dim=64, block_size=16,
+                                           seed=3)
+    if opts.pop("sink_logits", False):
+        opts["sink_logits"] = torch.randn(6)
+    out = attend_pages(q, kp, vp, table, lens, cu, **opts)
+    ref = reference(q, kp, vp, table, lens, cu, **opts)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_window_reads_only_visible_pages():
+    """Pages that slid out of the window may be freed (-1) and hold NaN: never read."""
+    ctx, qlens, bs = [100], [2], 8
+    q, kp, vp, table, lens, cu = make_case(ctx, qlens, block_size=bs, seed=5)
+    window = 20
+    first_block = (100 - 2 - window + 1) // bs
+    ref = reference(q, kp, vp, table, lens, cu, window=window)
+    for j in range(first_block):
+        kp[table[0, j]] = float("nan")
+        vp[table[0, j]] = float("nan")
+        table[0, j] = -1
+    out = attend_pages(q, kp, vp, table, lens, cu, window=window)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_shared_prefix_pages():
+    ctx, qlens = [40, 33], [1, 2]
+    q, kp, vp, table, lens, cu = make_case(ctx, qlens, block_size=16, share=True, seed=7)
+    assert table[0, 0] == table[1, 0]
+    out = attend_pages(q, kp, vp, table, lens, cu)
+    torch.testing.assert_close(out.double(), reference(q, kp, vp, table, lens, cu), atol=2e-5,
+                               rtol=2e-5)
+
+
+def test_same_as_contiguous_attend():
+    """Pages holding the same tokens as a contiguous cache give attend's result (decode)."""
+    b, kvh, h, d, L, bs = 3, 2, 8, 64, 300, 16
+    g = torch.Generator().manual_seed(1)
+    keys = torch.randn(b, kvh, L, d, generator=g)
+    values = torch.randn(b, kvh, L, d, generator=g)
+    nb = b * (L // bs + 1)
+    perm = torch.randperm(nb, generator=g)
+    table = perm[: b * (-(-L // bs))].view(b, -1).to(torch.int32)
+    kp = torch.zeros(nb, bs, kvh, d)
+    vp = torch.zeros(nb, bs, kvh, d)
+    slots = (table.long()[:, torch.arange(L) // bs] * bs + torch.arange(L) % bs)
+    kp.view(-1, kvh, d)[slots.reshape(-1)] = keys.permute(0, 2, 1, 3).reshape(-1, kvh, d)
+    vp.view(-1, kvh, d)[slots.reshape(-1)] = values.permute(0, 2, 1, 3).reshape(-1, kvh, d)
+    lengths = torch.tensor([L, 200, 77], dtype=torch.int32)
+    q = torch.randn(b, h, 1, d, generator=g)
+    cache = kvcache.KVLayerCache(keys, values, lengths)
+    want = kvcache.attend(q, cache)
+    got = attend_pages(q[:, :, 0], kp, vp, table, lengths, torch.arange(b + 1, dtype=torch.int32))
+    torch.testing.assert_close(got, want[:, :, 0], atol=1e-5, rtol=1e-5)
+
+
+def test_split_rows_with_threads():
+    """A long sequence among short ones: rows split over threads, merged exactly."""
+    from kv_testing import forced_split
+
+    ctx, qlens = [3000, 5, 17], [1, 1, 1]
+    q, kp, vp, table, lens, cu = make_case(ctx, qlens, dim=64, block_size=32, seed=11)
+    ref = reference(q, kp, vp, table, lens, cu)
+    with forced_split():
+        out = attend_pages(q, kp, vp, table, lens, cu)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
+def test_attend_quantized_pages(kv_dtype, qdtype):
+    ctx, qlens = [70, 5, 129], [3, 1, 1]
+    q, kp, vp, table, lens, cu = make_case(ctx, qlens, block_size=16, dim=64, seed=13)
+    kq, ks = quantize_ref(kp, kv_dtype)
+    vq, vs = quantize_ref(vp, kv_dtype)
+    q = q.to(qdtype)
+    out = attend_pages(q, kq, vq, table, lens, cu, key_scales=ks, value_scales=vs)
+    ref = reference(q, dequantized(kq, ks), dequantized(vq, vs), table, lens, cu)
+    tol = 2e-5 if qdtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+ISA_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {here!r})
+import kvcache, test_paged as t
+assert kvcache._C.attend_cpu_isa() == {isa!r}
+for dt in (torch.float32, torch.bfloat16, torch.float16):
+    for bs in (8, 64):
+        t.test_attend_mixed_batch(dt, bs)
+t.test_attend_options(dict(softcap=2.0, window=17, sink_logits=True))
+t.test_attend_quantized_pages(torch.int8, torch.bfloat16)
+t.test_attend_quantized_pages(torch.float8_e4m3fn, torch.float32)
+"""
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512", "avx512vnni", "avx512bf16"])
+def test_forced_isa_path(isa):
+    from test_attend import ISA_FLAGS, _cpu_flags
+
+    if not ISA_FLAGS[isa] <= _cpu_flags():
+        pytest.skip(f"this CPU lacks {sorted(ISA_FLAGS[isa] - _cpu_flags())}")
+    env = dict(os.environ, KVCACHE_ATTEND_ISA=isa)
+    proc = subprocess.run([sys.executable, "-c", ISA_SCRIPT.format(here=HERE, isa=isa)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# -------------------------------------------------------------------- write ---
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_write_bit_exact(dtype, slot_dtype):
+    nb, bs, kvh, d, n = 6, 4, 3, 8, 9
+    c = init_paged_cache(nb, bs, kvh, d, dtype)
+    g = torch.Generator().manual_seed(0)
+    c.key_pages.copy_(torch.randn(c.key_pages.shape, generator=g))
+    c.value_pages.copy_(torch.randn(c.value_pages.shape, generator=g))
+    key = torch.randn(n, kvh, d, generator=g).to(dtype)
+    # A non-contiguous value: every other head of a wider tensor.
+    value = torch.randn(n, 2 * kvh, d, generator=g).to(dtype)[:, ::2]
+    slots = torch.tensor([5, -1, 0, 23, 7, -1, 12, 1, 18], dtype=slot_dtype)
+    want_k, want_v = c.key_pages.clone(), c.value_pages.clone()
+    keep = slots >= 0
+    want_k.view(-1, kvh, d)[slots[keep].long()] = key[keep]
+    want_v.view(-1, kvh, d)[slots[keep].long()] = value[keep]
+    c.write(key, value, slots)
+    assert torch.equal(c.key_pages, want_k) and torch.equal(c.value_pages, want_v)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_write_quantized(kv_dtype, src_dtype):
+    nb, bs, kvh, d = 5, 4, 2, 16
+    c = init_paged_cache(nb, bs, kvh, d, src_dtype, kv_dtype=kv_dtype)
+    g = torch.Generator().manual_seed(1)
+    key = (torch.randn(6, kvh, d, generator=g) * 3).to(src_dtype)
+    value = torch.randn(6, kvh, d, generator=g).to(src_dtype)
+    key[2, 1] = 0  # an all-zero slot keeps a positive scale
+    slots = torch.tensor([3, 19, -1, 8, 0, 12])
+    c.write(key, value, slots)
+    keep = slots >= 0
+    for pages, scales, src in ((c.key_pages, c.key_scales, key), (c.value_pages, c.value_scales, value)):
+        q, s = quantize_ref(src[keep], kv_dtype)
+        got_q = pages.view(-1, kvh, d)[slots[keep]]
+        assert torch.equal(got_q.view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(scales.view(-1, kvh)[slots[keep]], s)
+
+
+def test_write_then_attend_roundtrip_with_allocator():
+    """Three requests joining and leaving: the allocator's slots, the write, the attend."""
+    torch.manual_seed(0)
+    kvh, h, d, bs = 2, 4, 32, 8
+    alloc = BlockAllocator(num_blocks=32, block_size=bs)
+    cache = init_paged_cache(32, bs, kvh, d, torch.float32)
+    history = {}
+    def step(batch):  # batch: {seq_id: n new tokens}
+        ids = list(batch)
+        slot_maps, keys, values, qs = [], [], [], []
+        for s in ids:
+            n = batch[s]
+            slot_maps.append(alloc.append(s, n))
+            k, v = torch.randn(n, kvh, d), torch.randn(n, kvh, d)
+            hk, hv = history.get(s, (torch.zeros(0, kvh, d), torch.zeros(0, kvh, d)))
+            history[s] = (torch.cat([hk, k]), torch.cat([hv, v]))
+            keys.append(k), values.append(v), qs.append(torch.randn(n, h, d))
+        cache.write(torch.cat(keys), torch.cat(values), torch.cat(slot_maps))
+        cu = torch.tensor([0] + torch.tensor([batch[s] for s in ids]).cumsum(0).tolist(), dtype=torch.int32)
+        out = cache.attend(torch.cat(qs), alloc.block_table(ids), alloc.context_lens(ids), cu)
+        for i, s in enumerate(ids):
+            K, V = history[s]
+            qq = qs[i].permute(1, 0, 2).unsqueeze(0)
+            ref = attention_reference(qq, K.permute(1, 0, 2)[None], V.permute(1, 0, 2)[None],
+                                      torch.tensor(K.shape[0]))[0].permute(1, 0, 2)
+            torch.testing.assert_close(out[cu[i]:cu[i + 1]].double(), ref, atol=2e-5, rtol=2e-5)
+    step({"a": 13, "b": 3})
+    step({"a": 1, "b": 1, "c": 20})
+    alloc.free("b")
+    alloc.fork("a", "a2", [cache])
+    history["a2"] = history["a"]
+    step({"a": 1, "a2": 1, "c": 1, "d": 9})
+    assert alloc.tables["a"][0] == alloc.tables["a2"][0]  # full block shared
+    assert alloc.tables["a"][1] != alloc.tables["a2"][1]  # partial block copied
+
+
+def test_allocator_accounting():
+    a = BlockAllocator(4, 4)
+    a.append(0, 9)
+    assert a.free_blocks == 1
+    with pytest.raises(RuntimeError, match="out of pages"):
+        a.append(1, 5)
+    assert a.free_blocks == 1 and 1 not in a.lengths or a.lengths[1] == 0
+    a.fork(0, 2)  # 2 full blocks shared, the partial third copied
+    assert a.free_blocks == 0
+    a.free(0)
+    assert a.free_blocks == 1
+    a.free(2)
+    assert a.free_blocks == 4
+
+
+# ------------------------------------------------------------------- errors ---
+
+def attend_args(**over):
+    q, kp, vp, table, lens, cu = make_case([10, 6], [2, 1], block_size=4)
+    a = dict(q=q, key_pages=kp, value_pages=vp, block_table=table, context_lens=lens,
+             cu_seqlens_q=cu)
+    a.update(over)
+    return a
+
+
+
+
+
+@pytest.mark.parametrize("name,over,exc,match", [
+    ("page out of range", "table99", ValueError, r"block_table must hold pages in \[0, num_blocks=\d+\) for every block a query sees, got 99 at \[0, 1\]"),
+    ("page -1 seen", "table-1", ValueError, r"block_table must hold pages .* got -1 at \[1, 0\]"),
+    ("length beyond table", "len", ValueError, r"context_lens must be <= max_blocks \* block_size = \d+"),
+    ("cu decreasing", "cu_dec", ValueError, r"cu_seqlens_q must not decrease, got 4 then 3 at index 2"),
+    ("cu start", "cu_start", ValueError, r"cu_seqlens_q must start at 0, got 1"),
+    ("cu end", "cu_end", ValueError, r"cu_seqlens_q must end at total_q=3"),
+    ("fewer ctx than q", "ctx_small", ValueError, r"context_lens must be >= the sequence's queries \(2"),
+    ("table dtype", "table64", TypeError, r"block_table must have dtype torch.int32|block_table .*torch.int32"),
+    ("q dtype", "qbf16", TypeError, r"q is torch.bfloat16 but key_pages are torch.float32"),
+    ("q shape", "q4d", ValueError, r"q must be a 3-D tensor"),
+    ("scales on plain", "scales", ValueError, r"key_scales and value_scales are the scales of quantized pages"),
+    ("scale overflow", "scale", ValueError, r"scale=1e\+38 makes scores overflow float32"),
+])
+def test_attend_errors(name, over, exc, match):
+    a = attend_args()
+    if over == "table99":
+        a["block_table"] = a["block_table"].clone(); a["block_table"][0, 1] = 99
+    elif over == "table-1":
+        a["block_table"] = a["block_table"].clone(); a["block_table"][1, 0] = -1
+    elif over == "len":
+        a["context_lens"] = torch.tensor([10, 10**6], dtype=torch.int32)
+    elif over == "cu_dec":
+        a["cu_seqlens_q"] = torch.tensor([0, 4, 3], dtype=torch.int32); a["q"] = torch.randn(3, 4, 16)
+    elif over == "cu_start":
+        a["cu_seqlens_q"] = torch.tensor([1, 2, 3], dtype=torch.int32)
+    elif over == "cu_end":
+        a["cu_seqlens_q"] = torch.tensor([0, 2, 2], dtype=torch.int32)
+    elif over == "ctx_small":
+        a["context_lens"] = torch.tensor([1, 6], dtype=torch.int32)
+    elif over == "table64":
+        a["block_table"] = a["block_table"].long()
+    elif over == "qbf16":
+        a["q"] = a["q"].bfloat16()
+    elif over == "q4d":
+        a["q"] = a["q"][None]
+    elif over == "scales":
+        a["key_scales"] = torch.ones(a["key_pages"].shape[:3])
+        a["value_scales"] = torch.ones(a["key_pages"].shape[:3])
+    elif over == "scale":
+        a["scale"] = 1e38
+    q = a.pop("q")
+    with pytest.raises(exc, match=match):
+        attend_pages(q, **a)
+    # Traced code raises what eager raises (values known only at run time are checked by the
+    # kernel when the compiled program runs).
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=match):
+        torch.compile(lambda q: attend_pages(q, **a), fullgraph=True)(q)
+
+
+@pytest.mark.parametrize("case,exc,match", [
+    ("slot high", ValueError, r"slot_mapping must hold -1 \(skip\) or a slot in \[0, num_blocks \* block_size = 24\), got 24 at index 2"),
+    ("slot low", ValueError, r"got -2 at index 0"),
+    ("dup", ValueError, r"slot_mapping gives slot 5 to more than one token"),
+    ("dtype", TypeError, r"key is torch.float16 but key_pages are torch.float32"),
+    ("shape", ValueError, r"key must have shape \(num_tokens, num_kv_heads=3, head_dim=8\)"),
+    ("slots shape", ValueError, r"slot_mapping must have shape \(num_tokens=3,\)"),
+    ("alias", ValueError, r"key must not share memory with key_pages"),
+    ("missing scales", ValueError, r"pass both key_scales and value_scales"),
+])
+def test_write_errors_write_nothing(case, exc, match):
+    c = init_paged_cache(6, 4, 3, 8, torch.float32)
+    c.key_pages.normal_()
+    c.value_pages.normal_()
+    before = (c.key_pages.clone(), c.value_pages.clone())
+    key, value = torch.randn(3, 3, 8), torch.randn(3, 3, 8)
+    slots = torch.tensor([1, 2, 3])
+    kp, vp, ks, vs = c.key_pages, c.value_pages, None, None
+    if case == "slot high":
+        slots = torch.tensor([1, 2, 24])
+    elif case == "slot low":
+        slots = torch.tensor([-2, 2, 3])
+    elif case == "dup":
+        slots = torch.tensor([5, 2, 5])
+    elif case == "dtype":
+        key = key.half()
+    elif case == "shape":
+        key = torch.randn(3, 2, 8)
+    elif case == "slots shape":
+        slots = torch.tensor([1, 2])
+    elif case == "alias":
+        key = c.key_pages.view(-1, 3, 8)[:3]
+    elif case == "missing scales":
+        q = init_paged_cache(6, 4, 3, 8, torch.float32, kv_dtype="int8")
+        kp, vp = q.key_pages, q.value_pages
+        before = (kp.clone(), vp.clone())
+    with pytest.raises(exc, match=match):
+        write_pages(kp, vp, key, value, slots, ks, vs)
+    assert torch.equal(kp, before[0]) and torch.equal(vp, before[1])
+
+
+# ------------------------------------------------------------ traced paths ---
+
+def test_compile_fullgraph_no_graph_break():
+    q, kp, vp, table, lens, cu = make_case([20, 9], [1, 1], block_size=8)
+    key, value = torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+    slots = torch.tensor([int(table[0, 2]) * 8 + 3, int(table[1, 1]) * 8])
+
+    def step(q, key, value):
+        write_pages(kp, vp, key, value, slots)
+        return attend_pages(q, kp, vp, table, lens, cu)
+
+    kp2, vp2 = kp.clone(), vp.clone()
+    want_k = kp.clone()
+    want_k.view(-1, 2, 16)[slots] = key
+    torch._dynamo.reset()
+    out = torch.compile(step, fullgraph=True)(q, key, value)
+    assert torch.equal(kp, want_k)
+    ref = reference(q, kp, vp, table, lens, cu)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    del kp2, vp2
+
+
+def test_opcheck():
+    q, kp, vp, table, lens, cu = make_case([20, 9], [2, 1], block_size=8)
+    torch.library.opcheck(torch.ops.kvcache.paged_attend.default, (q, kp, vp, table, lens, cu))
+    key, value = torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+    torch.library.opcheck(torch.ops.kvcache.paged_write_.default,
+                          (kp, vp, key, value, torch.tensor([0, 9])))
+    c = init_paged_cache(4, 8, 2, 16, torch.float32, kv_dtype="int8")
+    torch.library.opcheck(torch.ops.kvcache.paged_write_.default,
+                          (c.key_pages, c.value_pages, key, value, torch.tensor([0, 9])),
+                          dict(key_scales=c.key_scales, value_scales=c.value_scales))
