@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterable, List, Optional
@@ -179,8 +180,10 @@ def l2_bytes() -> int:
 
 
 def environment(device: torch.device) -> dict:
+    """The machine a run measured (saved with its rows: scripts/perf_page.py names its page by it)."""
     return dict(
         cpu_model=cpu_model(),
+        logical_cpus=os.cpu_count(),
         attend_isa=attend_isa() if device.type == "cpu" else None,
         peer_caps=isa_cap.describe() if device.type == "cpu" else None,
         torch=torch.__version__,
@@ -216,6 +219,15 @@ def write_json(path: Optional[str], env: dict, args: argparse.Namespace, rows: L
         return
     path = os.path.abspath(path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    env = dict(env)
+    # The thread counts the rows ran at, 0 (the default) resolved: with the CPU model, the ISA
+    # path and the torch version, what a reader needs to compare two runs.
+    threads = getattr(args, "threads", None)
+    if threads is not None:
+        default = env.get("default_threads") or torch.get_num_threads()
+        env.setdefault("threads", [t or default for t in thread_settings(threads)])
+    env.setdefault("benchmark", os.path.basename(sys.argv[0]))
+    env.setdefault("date", time.strftime("%Y-%m-%d"))
     with open(path, "w") as f:
         json.dump(dict(env=env, args=vars(args), rows=rows), f, indent=1)
     print(f"\nresults written to {path}")

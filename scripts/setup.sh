@@ -44,6 +44,9 @@ pip_quiet "$TORCH_SPEC" "setuptools>=77" ninja \
   build numpy pytest expecttest "hypothesis==6.168.3" tqdm matplotlib \
   "transformers==5.24.0" "gguf==0.19.0" "accelerate==1.15.0"
 python -c "import torch" >/dev/null  # fail here, clearly, if torch did not install
+# The documentation tools (scripts/docs.sh, a CI step), pinned: Sphinx with autodoc/napoleon,
+# MyST for the Markdown pages, the furo theme. Pure Python, a few MB.
+pip_quiet "sphinx==9.0.4" "myst-parser==5.2.0" "furo==2025.12.19"
 
 # A rebuild recompiles only the sources that changed (setup.py keeps the
 # objects in build/temp-*, ninja tracks them), but pip's own steps still take

@@ -18,7 +18,7 @@ _check_lengths_writable_op = torch.ops.kvcache.check_lengths_writable.default
 #: The range of the int64 arguments the operators take.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
-# kv_dtype spellings of the quantized caches (README "Quantized caches").
+#: The spellings of a quantized cache's ``kv_dtype`` and the storage dtype of each.
 KV_DTYPES = {
     "int8": torch.int8,
     "fp8": torch.float8_e4m3fn,
@@ -50,7 +50,7 @@ def check_length_writable(length: torch.Tensor) -> None:
         length: A cache's int32/int64 lengths, 0-D or ``(batch,)``.
 
     Raises:
-        ValueError: An ``expand()``ed (internally overlapping) length, or an inference tensor
+        ValueError: An ``expand()``-ed (internally overlapping) length, or an inference tensor
             outside inference mode.
     """
     # Every wrapper that writes cache.length with a copy_ of an operator's new

@@ -67,7 +67,7 @@ class TransformerConfig:
 
     @property
     def head_dim(self) -> int:
-        """Per-head feature size: ``d_model // num_heads``."""
+        """Per-head feature size, ``d_model // num_heads``."""
         return self.d_model // self.num_heads
 
 

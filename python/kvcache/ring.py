@@ -94,7 +94,7 @@ class RingLayerCache:
 
     @property
     def capacity(self) -> int:
-        """Slots per row: ``sinks + window + max_step - 1``."""
+        """Slots per row, ``sinks + window + max_step - 1``."""
         return int(self.keys.shape[2])
 
 
@@ -371,7 +371,7 @@ def write_ring_layer_cache(
     Raises:
         ValueError, TypeError: As :func:`update_ring_layer_cache`; with
             ``start=None`` also a ``cache.length`` that cannot be written in
-            place (an ``expand()``ed view). Nothing is written.
+            place (an ``expand()``-ed view). Nothing is written.
     """
     check_ring(cache)
     if start is None:

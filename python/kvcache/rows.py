@@ -42,7 +42,7 @@ def rollback_kv_layer_cache(
     Raises:
         ValueError: If ``n`` is negative or larger than a row holds (CPU;
             nothing changes; also for a Python int outside int64), or
-            ``cache.length`` cannot be written in place (an ``expand()``ed
+            ``cache.length`` cannot be written in place (an ``expand()``-ed
             view: nothing changes). On CUDA every length becomes -1 instead
             (check ``(cache.length >= 0).all()`` where a sync is fine).
         TypeError: If ``n`` is not an int or an integer tensor.
@@ -91,7 +91,7 @@ def select_rows_kv_layer_cache(cache: KVLayerCache, index: torch.Tensor) -> KVLa
             ``v_scale`` must be ``(batch, num_kv_heads, max_len)``), scales
             that share memory with each other, the keys or the values, or a
             ``cache.length`` that cannot be written in place (an
-            ``expand()``ed view). Nothing is moved.
+            ``expand()``-ed view). Nothing is moved.
         TypeError: If ``index`` is not an integer tensor, or the scales are
             not float32.
     """
@@ -128,7 +128,7 @@ def reset_rows_kv_layer_cache(cache: KVLayerCache, rows: torch.Tensor) -> KVLaye
     Raises:
         ValueError: If ``cache.length`` is 0-D (one length shared by every
             row cannot be reset for some rows only) or cannot be written in
-            place (an ``expand()``ed view), a mask has not exactly ``batch``
+            place (an ``expand()``-ed view), a mask has not exactly ``batch``
             entries, an index is outside ``[0, batch)`` (negative ones too:
             no wrap-around), or ``rows`` is on another device. Nothing
             changes. On CUDA an index out of range makes every length -1
@@ -225,7 +225,7 @@ def select_rows_ring_layer_cache(cache: RingLayerCache, index: torch.Tensor) -> 
             a quantized ring's ``k_scale`` / ``v_scale`` not ``(batch,
             num_kv_heads, capacity)`` or sharing memory with each other, the
             keys, the values or the positions; a ``cache.length`` that cannot
-            be written in place (an ``expand()``ed view). Nothing moves.
+            be written in place (an ``expand()``-ed view). Nothing moves.
         TypeError: If ``index`` is not an integer tensor, or the scales are
             not float32.
     """
@@ -266,7 +266,7 @@ def reset_rows_ring_layer_cache(cache: RingLayerCache, rows: torch.Tensor) -> Ri
 
     Raises:
         ValueError: If ``cache.length`` is 0-D or cannot be written in place
-            (an ``expand()``ed view), a mask has not exactly ``batch``
+            (an ``expand()``-ed view), a mask has not exactly ``batch``
             entries, an index is outside ``[0, batch)`` (negative ones too:
             no wrap-around), or ``rows`` is on another device. Nothing
             changes. On CUDA an index out of range makes every length -1
