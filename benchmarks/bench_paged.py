@@ -1,0 +1,86 @@
+"""Paged attend against contiguous attend over the same sequences: what the page indirection costs.
+
+``python benchmarks/bench_paged.py [--threads 1 0] [--dtypes float32 bfloat16] [--block-sizes 16 64 256]
+[--batch 16] [--json F]``
+
+A decode step (one query per sequence) over a batch of sequences whose lengths spread from 1/8 of
+``--max-len`` to ``--max-len`` (SmolLM2's attention geometry by default: 9 query heads, 3 KV heads,
+head_dim 64), timed three ways in interleaved rounds: ``kvcache.attend`` over a contiguous
+``(batch, kv_heads, max_len, head_dim)`` cache holding the sequences, ``attend_pages`` over the same
+tokens in shuffled pages of each block size, and ``paged/contiguous``, the ratio (the issue's bar:
+<= 1.15). Prints the CPU model and the kernel's ISA path; a figure holds only with them.
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+import kvcache  # noqa: E402
+from kvcache.paged import attend_pages  # noqa: E402
+
+
+def case(batch, heads, kv_heads, dim, max_len, block_size, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.linspace(max_len // 8, max_len, batch).round().to(torch.int32)
+    keys = torch.randn(batch, kv_heads, max_len, dim, generator=g).to(dtype)
+    values = torch.randn(batch, kv_heads, max_len, dim, generator=g).to(dtype)
+    per = -(-max_len // block_size)
+    nb = batch * per
+    table = torch.randperm(nb, generator=g)[: batch * per].view(batch, per).to(torch.int32)
+    kp = torch.zeros(nb, block_size, kv_heads, dim, dtype=dtype)
+    vp = torch.zeros(nb, block_size, kv_heads, dim, dtype=dtype)
+    pos = torch.arange(max_len)
+    slots = (table.long()[:, pos // block_size] * block_size + pos % block_size).reshape(-1)
+    kp.view(-1, kv_heads, dim)[slots] = keys.permute(0, 2, 1, 3).reshape(-1, kv_heads, dim)
+    vp.view(-1, kv_heads, dim)[slots] = values.permute(0, 2, 1, 3).reshape(-1, kv_heads, dim)
+    q = torch.randn(batch, heads, 1, dim, generator=g).to(dtype)
+    cache = kvcache.KVLayerCache(keys, values, lens)
+    cu = torch.arange(batch + 1, dtype=torch.int32)
+    q3 = q[:, :, 0].contiguous()
+    contiguous = lambda: kvcache.attend(q, cache)  # noqa: E731
+    paged = lambda: attend_pages(q3, kp, vp, table, lens, cu)  # noqa: E731
+    torch.testing.assert_close(paged(), contiguous()[:, :, 0], atol=2e-2, rtol=2e-2)
+    return contiguous, paged
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python benchmarks/bench_paged.py", description=__doc__.splitlines()[0])
+    common.add_common_args(p)
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64, 256])
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--max-len", type=int, default=4096)
+    p.add_argument("--heads", type=int, default=9)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median reported)")
+    args = p.parse_args(argv)
+    env = common.environment(torch.device("cpu"))
+    print(f"CPU: {env['cpu_model']} | attend ISA path: {env['attend_isa']} | torch {env['torch']}")
+    rows = []
+    for threads in common.thread_settings(args.threads):
+        with common.num_threads(threads):
+            for dt in args.dtypes:
+                dtype = getattr(torch, dt)
+                for bs in args.block_sizes:
+                    contiguous, paged = case(args.batch, args.heads, args.kv_heads, args.head_dim,
+                                             args.max_len, bs, dtype)
+                    t = common.measure_many({"contiguous": contiguous, "paged": paged},
+                                            torch.device("cpu"), args.min_time, args.rounds)
+                    c_us, p_us = t["contiguous"]["median_us"], t["paged"]["median_us"]
+                    rows.append(dict(threads=torch.get_num_threads(), dtype=dt, block_size=bs,
+                                     batch=args.batch, max_len=args.max_len, contiguous_us=c_us,
+                                     paged_us=p_us, ratio=p_us / c_us,
+                                     paged_spread=common.spread(t["paged"])))
+    common.print_table("decode attend: paged vs contiguous (median of interleaved rounds)", rows,
+                       ["threads", "dtype", "block_size", "batch", "max_len", "contiguous_us",
+                        "paged_us", "paged_spread", "ratio"])
+    common.write_json(args.json, env, args, rows)
+
+
+if __name__ == "__main__":
+    main()
