@@ -25,6 +25,7 @@ import torch
 from torch.utils import benchmark
 
 import kvcache
+from kvcache.demo import cpu_model  # noqa: F401  (re-exported: the benchmarks import it from here)
 
 import isa_cap  # benchmarks/ is on sys.path: every benchmark imports common from there
 
@@ -127,31 +128,6 @@ def _fmt(v) -> str:
 def spread(row: dict) -> str:
     """'median (min-max)' of a measured row, for tables."""
     return f"{_fmt(row['median_us'])} ({_fmt(row['min_us'])}-{_fmt(row['max_us'])})"
-
-
-def cpu_model() -> str:
-    """The CPU's model name with its family and model numbers (/proc/cpuinfo), or platform.processor().
-
-    Virtual machines often report a bare name ("AMD EPYC"), which hides the generation a figure
-    belongs to (family 25 is Zen 3/4, 26 is Zen 5; Intel's model numbers name the core), so the
-    numbers are appended whenever /proc/cpuinfo has them.
-    """
-    fields: Dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if not line.strip():
-                    break  # the first processor's block is enough
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    name = fields.get("model name")
-    if name is None:
-        return platform.processor() or "unknown"
-    if "cpu family" in fields and "model" in fields:
-        name += f" (family {fields['cpu family']}, model {fields['model']})"
-    return name
 
 
 def attend_isa() -> str:

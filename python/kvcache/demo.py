@@ -106,7 +106,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def cpu_model() -> str:
-    """The CPU's model name, with family and model numbers when /proc/cpuinfo has them."""
+    """The CPU's model name with its family and model numbers (/proc/cpuinfo), else the platform's.
+
+    Virtual machines often report a bare name ("AMD EPYC"), which hides the generation a figure
+    belongs to (family 25 is Zen 3/4, 26 is Zen 5; Intel's model numbers name the core), so the
+    numbers are appended whenever /proc/cpuinfo has them. The benchmarks and examples print it.
+    """
     fields: Dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
