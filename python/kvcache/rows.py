@@ -299,6 +299,11 @@ def reset_rows_ring_layer_cache(cache: RingLayerCache, rows: torch.Tensor) -> Ri
 
 # Names of the previous release, kept for one release: every operation beyond the original
 # module is now <operation>_kv_layer_cache, as in the C++ API.
+def _warn_renamed(old: str, new: str) -> None:
+    if not torch.compiler.is_compiling():  # warnings.warn is a graph break: warn in eager code only
+        warnings.warn(f"kvcache.{old} is deprecated: use kvcache.{new}", DeprecationWarning, stacklevel=3)
+
+
 def select_kv_layer_cache_rows(cache: KVLayerCache, index: torch.Tensor) -> KVLayerCache:
     """Deprecated alias of :func:`select_rows_kv_layer_cache` (removed in the next release).
 
@@ -306,9 +311,7 @@ def select_kv_layer_cache_rows(cache: KVLayerCache, index: torch.Tensor) -> KVLa
     (``torch.compile``, ``fullgraph=True`` included) calls it without a
     warning, since ``warnings.warn`` would break the graph.
     """
-    if not torch.compiler.is_compiling():  # warnings.warn is a graph break: warn in eager code only
-        warnings.warn("kvcache.select_kv_layer_cache_rows is deprecated: use kvcache.select_rows_kv_layer_cache",
-                      DeprecationWarning, stacklevel=2)
+    _warn_renamed("select_kv_layer_cache_rows", "select_rows_kv_layer_cache")
     return select_rows_kv_layer_cache(cache, index)
 
 
@@ -319,7 +322,5 @@ def reset_kv_layer_cache_rows(cache: KVLayerCache, rows: torch.Tensor) -> KVLaye
     (``torch.compile``, ``fullgraph=True`` included) calls it without a
     warning, since ``warnings.warn`` would break the graph.
     """
-    if not torch.compiler.is_compiling():  # warnings.warn is a graph break: warn in eager code only
-        warnings.warn("kvcache.reset_kv_layer_cache_rows is deprecated: use kvcache.reset_rows_kv_layer_cache",
-                      DeprecationWarning, stacklevel=2)
+    _warn_renamed("reset_kv_layer_cache_rows", "reset_rows_kv_layer_cache")
     return reset_rows_kv_layer_cache(cache, rows)
