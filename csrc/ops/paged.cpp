@@ -94,11 +94,6 @@ void check_meta(const at::Tensor& t, const char* name, int64_t rank, const char*
   check_device(t, dev, name, "the device of q");
 }
 
-int64_t int_at(const at::Tensor& t, int64_t i) {
-  return t.scalar_type() == at::kLong ? t.const_data_ptr<int64_t>()[i * t.stride(0)]
-                                      : t.const_data_ptr<int32_t>()[i * t.stride(0)];
-}
-
 }  // namespace
 
 void check_paged_write(const at::Tensor& key_pages, const at::Tensor& value_pages,
@@ -180,7 +175,7 @@ void check_paged_write(const at::Tensor& key_pages, const at::Tensor& value_page
   std::vector<int64_t> seen;
   seen.reserve(static_cast<size_t>(n));
   for (int64_t t = 0; t < n; ++t) {
-    const int64_t s = int_at(slot_mapping, t);
+    const int64_t s = row_value(slot_mapping, t);
     TORCH_CHECK_VALUE(s >= -1 && s < slots,
                       "slot_mapping must hold -1 (skip) or a slot in [0, num_blocks * "
                       "block_size = ", slots, "), got ", s, " at index ", t);
@@ -246,19 +241,19 @@ PagedRows check_paged_attend(const at::Tensor& q, const at::Tensor& key_pages,
   const int64_t bs = key_pages.size(1);
   const int64_t blocks = key_pages.size(0);
   const int64_t max_blocks = block_table.size(1);
-  TORCH_CHECK_VALUE(int_at(cu_seqlens_q, 0) == 0, "cu_seqlens_q must start at 0, got ",
-                    int_at(cu_seqlens_q, 0));
-  TORCH_CHECK_VALUE(int_at(cu_seqlens_q, n) == total_q,
+  TORCH_CHECK_VALUE(row_value(cu_seqlens_q, 0) == 0, "cu_seqlens_q must start at 0, got ",
+                    row_value(cu_seqlens_q, 0));
+  TORCH_CHECK_VALUE(row_value(cu_seqlens_q, n) == total_q,
                     "cu_seqlens_q must end at total_q=", total_q, " (q's first dim), got ",
-                    int_at(cu_seqlens_q, n));
+                    row_value(cu_seqlens_q, n));
   rows.q_start.resize(static_cast<size_t>(n + 1));
   rows.context_lens.resize(static_cast<size_t>(n));
   rows.q_start[0] = 0;
   for (int64_t s = 0; s < n; ++s) {
-    const int64_t a = int_at(cu_seqlens_q, s), e = int_at(cu_seqlens_q, s + 1);
+    const int64_t a = row_value(cu_seqlens_q, s), e = row_value(cu_seqlens_q, s + 1);
     TORCH_CHECK_VALUE(e >= a, "cu_seqlens_q must not decrease, got ", a, " then ", e,
                       " at index ", s + 1);
-    const int64_t len = int_at(context_lens, s);
+    const int64_t len = row_value(context_lens, s);
     TORCH_CHECK_VALUE(len >= e - a, "context_lens must be >= the sequence's queries (",
                       e - a, ": they are its last tokens), got ", len, " at index ", s);
     TORCH_CHECK_VALUE(len <= max_blocks * bs, "context_lens must be <= max_blocks * block_size = ",
