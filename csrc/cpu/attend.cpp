@@ -296,14 +296,17 @@ using TaskFn = void (*)(const Plan&, const Task&, Scratch&);
 // the parts that saw a slot; zeros where none did (left padding), NaN where
 // a merged part carries a NaN (as the unsplit task gives).
 template <typename T>
-void merge_parts(const Plan& plan, int64_t b, int64_t kvh, int64_t first_part, int64_t parts) {
+void merge_parts(const Plan& plan, int64_t b, int64_t kvh, int64_t heads, int64_t first_part,
+                 int64_t parts) {
   const AttendParams& p = *plan.p;
   const int64_t G = plan.group, D = plan.dim, Dp = plan.dim_pad;
-  const int64_t rows = G * p.seq_of(b);
+  // A part holds the task's rows over its heads (Task: head-major).
+  const int64_t per_head = G * p.seq_of(b);
+  const int64_t rows = per_head * heads;
   std::vector<float> w(static_cast<size_t>(parts));
   std::vector<float> acc(static_cast<size_t>(D));
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t i = r / G, g = r % G;
+    const int64_t head = (kvh + r / per_head) * G + r % G, i = (r % per_head) / G;
     auto part_ml = [&](int64_t s, float* m, float* l) {
       const float* part = plan.partial + (first_part + s) * plan.part_stride;
       *m = part[rows * Dp + r];
@@ -311,7 +314,7 @@ void merge_parts(const Plan& plan, int64_t b, int64_t kvh, int64_t first_part, i
     };
     // The sink logit in the kernel's base-2 units (with_sink).
     const bool has_sink = p.sink_logits != nullptr;
-    const float sink = has_sink ? p.sink_logits[(kvh * G + g) * p.sink_stride] * kLog2e : 0.f;
+    const float sink = has_sink ? p.sink_logits[head * p.sink_stride] * kLog2e : 0.f;
     const float f = detail::merge_splits(
         parts, part_ml, [](float x) { return std::exp2(x); }, has_sink, sink, w.data());
     // merged_sum's sum, part by part (the same order of additions per
@@ -322,7 +325,7 @@ void merge_parts(const Plan& plan, int64_t b, int64_t kvh, int64_t first_part, i
       const float* o = plan.partial + (first_part + s) * plan.part_stride + r * Dp;
       for (int64_t d = 0; d < D; ++d) acc[d] += w[s] * o[d];
     }
-    T* dst = static_cast<T*>(p.out) + b * p.out_stride[0] + (kvh * G + g) * p.out_stride[1] +
+    T* dst = static_cast<T*>(p.out) + b * p.out_stride[0] + head * p.out_stride[1] +
              (p.first_token(b) + i) * p.out_stride[2];
     for (int64_t d = 0; d < D; ++d) dst[d * p.out_stride[3]] = static_cast<T>(acc[d] * f);
   }
@@ -388,8 +391,16 @@ void attend_typed(const AttendParams& p) {
   }
 #endif
 
-  // Tasks: (row, KV head, tile), each over the slots its queries see. The
-  // most tiles a row has (rows of varlen queries have fewer or as many).
+  // Paged slots hold every KV head side by side: tiles of few rows take
+  // all heads in one task (Plan::heads).
+  if (p.block_table != nullptr && !plan.ring && p.num_kv_heads > 1 &&
+      p.num_heads <= Plan::kGroupedRows) {
+    plan.heads = p.num_kv_heads;
+  }
+
+  // Tasks: (row, KV head or all KV heads, tile), each over the slots its
+  // queries see. The most tiles a row has (rows of varlen queries have
+  // fewer or as many).
   const int64_t tiles = (p.seq + plan.tile - 1) / plan.tile;
   std::vector<Task> tasks;
   std::vector<double> work;
@@ -404,17 +415,20 @@ void attend_typed(const AttendParams& p) {
       visible(p, b, i1 - 1, lo1, hi1);
       const int64_t slots = std::max<int64_t>(0, hi1 - std::min(lo0, lo1));
       const double w = work_of(plan, plan.group * (i1 - i0), slots, sizeof(TKV));
-      for (int64_t kvh = 0; kvh < p.num_kv_heads; ++kvh) {
+      const int64_t heads =
+          plan.heads > 1 && p.num_heads * (i1 - i0) <= Plan::kGroupedRows ? plan.heads : 1;
+      for (int64_t kvh = 0; kvh < p.num_kv_heads; kvh += heads) {
         Task t;
         t.b = b;
         t.kvh = kvh;
+        t.heads = heads;
         t.i0 = i0;
         t.i1 = i1;
         t.j0 = std::min(lo0, lo1);
         t.j1 = std::max(t.j0, hi1);
         tasks.push_back(t);
-        work.push_back(w);
-        total += w;
+        work.push_back(w * double(heads));
+        total += w * double(heads);
       }
     }
   }
@@ -427,7 +441,7 @@ void attend_typed(const AttendParams& p) {
   // (decode of a small batch): one part per kBlock-aligned range.
   std::vector<float> partial;
   struct Split {
-    int64_t b, kvh, first_part, parts;
+    int64_t b, kvh, heads, first_part, parts;
   };
   std::vector<Split> splits;
   if (parallel && tiles == 1) {
@@ -449,7 +463,7 @@ void attend_typed(const AttendParams& p) {
           split_work.push_back(work[x]);
           continue;
         }
-        splits.push_back({t.b, t.kvh, parts_total, parts});
+        splits.push_back({t.b, t.kvh, t.heads, parts_total, parts});
         for (int64_t s = 0; s < parts; ++s) {
           Task u = t;
           u.j0 = t.j0 + s * target;
@@ -461,7 +475,7 @@ void attend_typed(const AttendParams& p) {
         parts_total += parts;
       }
       if (parts_total > 0) {
-        const int64_t rows = plan.group * p.seq;
+        const int64_t rows = plan.group * p.seq * plan.heads;
         plan.part_stride = rows * plan.dim_pad + 2 * rows;
         partial.resize(parts_total * plan.part_stride);
         plan.partial = partial.data();
@@ -489,7 +503,7 @@ void attend_typed(const AttendParams& p) {
       }
     });
   }
-  for (const Split& s : splits) merge_parts<T>(plan, s.b, s.kvh, s.first_part, s.parts);
+  for (const Split& s : splits) merge_parts<T>(plan, s.b, s.kvh, s.heads, s.first_part, s.parts);
   if (plan.ring) {
     const std::vector<char> bad = ring_missing(p);
     for (int64_t b = 0; b < p.batch; ++b) {

@@ -1212,31 +1212,35 @@ constexpr bool kBf16Pairs =
     Vec::kBf16Dot && std::is_same_v<T, c10::BFloat16> && std::is_same_v<TKV, c10::BFloat16>;
 
 // A task's start, for linear and ring tasks alike: its queries (the G heads
-// of KV head t.kvh at positions [t.i0, t.i1)) scaled into sc.q where a block
-// may read them (Plan::f32_queries; rounded into sc.q16 for the integer
-// loops), copied as given into sc.qh for the bf16 pair loops, and the
-// online-softmax state (output, running max, running sum) reset.
+// of each KV head t.kvh + h at positions [t.i0, t.i1), rows h * R + ti * G + g)
+// scaled into sc.q where a block may read them (Plan::f32_queries; rounded
+// into sc.q16 for the integer loops), copied as given into sc.qh for the
+// bf16 pair loops, and the online-softmax state (output, running max,
+// running sum) reset.
 template <typename T, typename TKV>
 inline void start_task(const Plan& plan, const Task& t, Scratch& sc) {
   const AttendParams& p = *plan.p;
   const int64_t G = plan.group, D = plan.dim, Dp = plan.dim_pad;
   const int64_t nt = t.i1 - t.i0;
-  const int64_t rows = G * nt;
+  const int64_t R = G * nt;
+  const int64_t rows = R * t.heads;
   const T* qbase = static_cast<const T*>(p.q) + t.b * p.q_stride[0] +
                     p.first_token(t.b) * p.q_stride[2];
+  auto query = [&](int64_t r) {  // the query of scratch row r
+    const int64_t h = r / R, ti = (r % R) / G, g = r % G;
+    return qbase + ((t.kvh + h) * G + g) * p.q_stride[1] + (t.i0 + ti) * p.q_stride[2];
+  };
   // Rows of unit element stride and whole vectors are widened by vectors.
   const bool vec_rows = p.q_stride[3] == 1 && D % Vec::kLanes == 0;
   if (plan.f32_queries) {
     const typename Vec::V qs = Vec::set1(plan.qscale);
-    for (int64_t ti = 0; ti < nt; ++ti) {
-      for (int64_t g = 0; g < G; ++g) {
-        const T* src = qbase + (t.kvh * G + g) * p.q_stride[1] + (t.i0 + ti) * p.q_stride[2];
-        float* dst = sc.q.data() + (ti * G + g) * Dp;
-        if (vec_rows) {
-          for (int64_t d = 0; d < D; d += Vec::kLanes) Vec::store(dst + d, Vec::mul(Vec::load(src + d), qs));
-        } else {
-          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d * p.q_stride[3]]) * plan.qscale;
-        }
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* src = query(r);
+      float* dst = sc.q.data() + r * Dp;
+      if (vec_rows) {
+        for (int64_t d = 0; d < D; d += Vec::kLanes) Vec::store(dst + d, Vec::mul(Vec::load(src + d), qs));
+      } else {
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d * p.q_stride[3]]) * plan.qscale;
       }
     }
   }
@@ -1245,15 +1249,13 @@ inline void start_task(const Plan& plan, const Task& t, Scratch& sc) {
   }
   if constexpr (kBf16Pairs<T, TKV>) {
     if (plan.bf16dot || plan.bf16qk) {  // the bf16 queries as given (qk_pairs, qk_tile_bf16)
-      for (int64_t ti = 0; ti < nt; ++ti) {
-        for (int64_t g = 0; g < G; ++g) {
-          const T* src = qbase + (t.kvh * G + g) * p.q_stride[1] + (t.i0 + ti) * p.q_stride[2];
-          c10::BFloat16* dst = sc.qh.data() + (ti * G + g) * D;
-          if (p.q_stride[3] == 1) {
-            std::memcpy(dst, src, size_t(D) * sizeof(c10::BFloat16));
-          } else {
-            for (int64_t d = 0; d < D; ++d) dst[d] = src[d * p.q_stride[3]];
-          }
+      for (int64_t r = 0; r < rows; ++r) {
+        const T* src = query(r);
+        c10::BFloat16* dst = sc.qh.data() + r * D;
+        if (p.q_stride[3] == 1) {
+          std::memcpy(dst, src, size_t(D) * sizeof(c10::BFloat16));
+        } else {
+          for (int64_t d = 0; d < D; ++d) dst[d] = src[d * p.q_stride[3]];
         }
       }
     }
@@ -1269,8 +1271,8 @@ inline void start_task(const Plan& plan, const Task& t, Scratch& sc) {
 // float ones.
 template <typename T, typename TKV>
 inline void score_in_place(const Plan& plan, Scratch& sc, int64_t ra, int64_t rb, const TKV* k,
-                           int64_t ldk, int64_t n, const Ahead* ahead) {
-  float* const S = sc.s.data() + ra * kBlock;
+                           int64_t ldk, int64_t n, const Ahead* ahead, int64_t col) {
+  float* const S = sc.s.data() + ra * kBlock + col;
   if constexpr (kBf16Pairs<T, TKV>) {
     if (plan.bf16qk) {
       qk_block<typename Vec::Bf16>(sc.qh.data() + ra * plan.dim, plan.dim, k, ldk, plan.dim, rb - ra,
@@ -1290,14 +1292,16 @@ inline void score_in_place(const Plan& plan, Scratch& sc, int64_t ra, int64_t rb
 }
 
 // O = alpha O + P V for the task's rows [ra, rb) over n values read in place
-// (Plan::fast_v): the bf16 pair loops or the integer loops (when the
-// block's weights are finite) where they apply, else the float ones.
+// (Plan::fast_v), the weights of block columns [col, col + n): the bf16 pair
+// loops or the integer loops (when the block's weights are finite) where
+// they apply, else the float ones. alpha: the rows' rescale (sc.alpha + ra
+// for a block's first run, sc.ones for the others).
 template <typename T, typename TKV>
 inline void weigh_in_place(const Plan& plan, Scratch& sc, int64_t ra, int64_t rb, const TKV* v,
-                           int64_t ldv, int64_t n, const Ahead* ahead) {
-  const float* const P = sc.s.data() + ra * kBlock;
+                           int64_t ldv, int64_t n, const Ahead* ahead, int64_t col,
+                           const float* alpha) {
+  const float* const P = sc.s.data() + ra * kBlock + col;
   float* const O = sc.o.data() + ra * plan.dim_pad;
-  const float* const alpha = sc.alpha.data() + ra;
   if constexpr (kBf16Pairs<T, TKV>) {
     if (plan.bf16pv) {
       pv_block_bf16<typename Vec::Bf16>(P, kBlock, v, ldv, n, O, plan.dim_pad, alpha, rb - ra, plan.dim,
@@ -1313,6 +1317,19 @@ inline void weigh_in_place(const Plan& plan, Scratch& sc, int64_t ra, int64_t rb
     }
   }
   pv_block(P, kBlock, v, ldv, n, O, plan.dim_pad, alpha, rb - ra, plan.dim, ahead);
+}
+
+// The online softmax of a block's scores for the task's rows [ra, rb)
+// (head rows from h0: position (r - h0) / group), each over its visible
+// columns of [c0, c1).
+inline void softmax_rows(const Plan& plan, Scratch& sc, int64_t h0, int64_t ra, int64_t rb,
+                         int64_t c0, int64_t c1, int64_t n8) {
+  for (int64_t r = ra; r < rb; ++r) {
+    const int64_t ti = (r - h0) / plan.group;
+    const int64_t a = std::clamp(sc.lo[ti], c0, c1) - c0;
+    const int64_t e = std::clamp(sc.hi[ti], c0, c1) - c0;
+    softmax_row(sc.s.data() + r * kBlock, a, e, n8, plan.cap, sc.m[r], sc.l[r], sc.alpha[r]);
+  }
 }
 
 // T: the queries' and output's dtype; TKV: the cache's (T, or int8_t /
@@ -1356,7 +1373,8 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
 
   start_task<T, TKV>(plan, t, sc);
 
-  // The row's keys, values and scales, wherever the layout keeps them.
+  // The row's keys, values and scales, wherever the layout keeps them (of
+  // KV head t.kvh; head t.kvh + h is h head strides further in each slot).
   const SlotRows<TKV> K = slot_rows(p, static_cast<const TKV*>(p.k), p.k_stride, t.b, t.kvh);
   const SlotRows<TKV> V = slot_rows(p, static_cast<const TKV*>(p.v), p.v_stride, t.b, t.kvh);
   SlotRows<float> KS, VS;
@@ -1364,13 +1382,44 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
     KS = slot_rows(p, p.k_scale, p.ks_stride, t.b, t.kvh);
     VS = slot_rows(p, p.v_scale, p.vs_stride, t.b, t.kvh);
   }
-  // A block: at most kBlock slots, consecutive in memory.
-  auto block_end = [&](int64_t c0) { return c0 + std::min({kBlock, task_hi - c0, K.run(c0)}); };
-  if (plan.fast_v && task_lo < task_hi) {  // the first block's values, read after its scores
-    prefetch_rows(reinterpret_cast<const char*>(V.at(task_lo)), V.ld * int64_t(sizeof(TKV)), 0,
-                  block_end(task_lo) - task_lo, D * int64_t(sizeof(TKV)));
+  // A block: at most kBlock slots. In a task whose blocks may take the
+  // GEMM loops (enough rows), consecutive in memory (cut at page ends);
+  // otherwise it may span pages, and its scores and weights go run by run
+  // (the consecutive slots of one page) while the softmax and the output
+  // update stay once a block: small pages cost no more rescales than big ones.
+  const bool one_run = plan.gemm && rows >= plan.gemm_rows;
+  auto block_end = [&](int64_t c0) {
+    return c0 + std::min({kBlock, task_hi - c0, one_run ? K.run(c0) : kBlock});
+  };
+  if (plan.fast_v && task_lo < task_hi) {  // the first run's values, read after its scores
+    for (int64_t h = 0; h < t.heads; ++h) {
+      prefetch_rows(reinterpret_cast<const char*>(V.at(task_lo) + h * p.v_stride[1]),
+                    V.ld * int64_t(sizeof(TKV)), 0,
+                    std::min(block_end(task_lo) - task_lo, V.run(task_lo)),
+                    D * int64_t(sizeof(TKV)));
+    }
   }
-  const Ahead streams = stream_geometry<TKV>(p, D, task_hi - task_lo);
+  const Ahead streams = stream_geometry<TKV>(p, D, (task_hi - task_lo) * t.heads);
+  // The streams of head h's run [j, je) of a block ending at c1 (and
+  // cend), read in place (kStreamAhead: the float loops ask for the keys
+  // ahead of the score tiles and this run's values beside them), and the
+  // rows after it: the block's next run, else the next block's first (the
+  // integer loops ask for them between their score tiles; the GEMM loops
+  // spread them over their tiles).
+  auto run_ahead = [&](int64_t h, int64_t j, int64_t je, int64_t c1, int64_t cend) {
+    Ahead a;
+    if (!(plan.fast_k && plan.fast_v)) return a;
+    a = streams;
+    a.v_cur = reinterpret_cast<const char*>(V.at(j) + h * p.v_stride[1]);
+    const int64_t next = je < c1 ? je : cend < task_hi ? cend : -1;
+    if (next >= 0) {
+      a.k = reinterpret_cast<const char*>(K.at(next) + h * p.k_stride[1]);
+      a.v = reinterpret_cast<const char*>(V.at(next) + h * p.v_stride[1]);
+      const int64_t stop = je < c1 ? c1 : block_end(cend);
+      a.rows = std::min(stop - next, K.run(next));
+    }
+    return a;
+  };
   for (int64_t c0 = task_lo, cend = task_lo; c0 < task_hi; c0 = cend) {
     cend = block_end(c0);
     // Positions that see part of [c0, cend): a contiguous run [ta, tb).
@@ -1385,98 +1434,120 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
     if (ta >= tb) continue;
     const int64_t n = c1 - c0;
     const int64_t n8 = (n + Vec::kLanes - 1) / Vec::kLanes * Vec::kLanes;
-    const int64_t ra = ta * G, rb = tb * G;
+    // Runs of consecutive slots in [c0, c1): [j, run_end(j)).
+    auto run_end = [&](int64_t j) { return j + std::min(c1 - j, K.run(j)); };
 
-    // The streams read in place (kStreamAhead: the float loops ask for the
-    // keys ahead of the score tiles and this block's values beside them)
-    // and the next block's rows (the integer loops ask for them between
-    // their score tiles; the GEMM loops spread them over their tiles).
-    Ahead ahead;
-    if (plan.fast_k && plan.fast_v) {
-      ahead = streams;
-      ahead.v_cur = reinterpret_cast<const char*>(V.at(c0));
-      if (cend < task_hi) {
-        ahead.k = reinterpret_cast<const char*>(K.at(cend));
-        ahead.v = reinterpret_cast<const char*>(V.at(cend));
-        ahead.rows = block_end(cend) - cend;
+    // Head by head (Task::heads: a grouped task's heads share each slot's
+    // lines, which stay in cache from one head to the next).
+    for (int64_t h = 0; h < t.heads; ++h) {
+      const int64_t ra = h * rows + ta * G, rb = h * rows + tb * G;
+      const int64_t hk = h * p.k_stride[1], hv = h * p.v_stride[1];
+      // A chunk's block (one run): GEMM micro-kernels over packed keys (and
+      // widened values) shared by all its rows.
+      const bool gemm = plan.gemm && rb - ra >= plan.gemm_rows;
+      if (gemm) {
+        const Ahead ahead = run_ahead(h, c0, c1, c1, cend);
+        const TKV* const kc = K.at(c0) + hk;
+        const TKV* const vc = V.at(c0) + hv;
+        Trickle pf(ahead);  // the next block's lines, over this block's tiles
+        // bf16 chunks on AVX512-BF16: both products on bf16 pairs.
+        const bool pairs = kBf16Pairs<T, TKV> && plan.bf16dot;
+        if (pairs) {
+          if constexpr (kBf16Pairs<T, TKV>) {
+            pf.spread_over(gemm_tiles(rb - ra, n8) + gemm_tiles(rb - ra, D));
+            qk_pairs<typename Vec::Bf16>(sc.qh.data() + ra * D, kc, K.ld, n,
+                                         n8, rb - ra, D, plan.qscale, S + ra * kBlock,
+                                         reinterpret_cast<uint32_t*>(sc.kt.data()), pf);
+          }
+        } else {
+          pf.spread_over(gemm_tiles(rb - ra, n8) + gemm_tiles(rb - ra, Dp));
+          pack_kt(kc, K.ld, p.k_stride[3], n, n8, D, Dp,
+                  sc.kb.data(), sc.kt.data());
+          qk_gemm(Q + ra * Dp, Dp, sc.kt.data(), D, rb - ra, n8, S + ra * kBlock, kBlock, pf);
+        }
+        if constexpr (kQuantized) scale_columns(S, ra, rb, n, KS.at(c0) + h * p.ks_stride[1], KS.ld);
+        softmax_rows(plan, sc, h * rows, ra, rb, c0, c1, n8);
+        if constexpr (kQuantized) scale_columns(S, ra, rb, n, VS.at(c0) + h * p.vs_stride[1], VS.ld);
+        if (pairs) {
+          if constexpr (kBf16Pairs<T, TKV>) {
+            pv_pairs<typename Vec::Bf16>(S + ra * kBlock, vc, V.ld, n, n8,
+                                         rb - ra, D, O + ra * Dp, Dp, alpha + ra, sc.pb.data(),
+                                         reinterpret_cast<uint32_t*>(sc.vb.data()), pf);
+          }
+        } else if (std::is_same_v<TKV, float> && plan.fast_v) {
+          pv_block_gemm(S + ra * kBlock, kBlock, vc, V.ld, n,
+                        O + ra * Dp, Dp, alpha + ra, rb - ra, D, pf);
+        } else {
+          widen_rows(vc, V.ld, p.v_stride[3], n, D, Dp,
+                     sc.vb.data());
+          pv_block_gemm(S + ra * kBlock, kBlock, static_cast<const float*>(sc.vb.data()), Dp, n,
+                        O + ra * Dp, Dp, alpha + ra, rb - ra, Dp, pf);
+        }
+        continue;
       }
-    }
-    // A chunk's block: GEMM micro-kernels over packed keys (and widened
-    // values) shared by all its rows.
-    const bool gemm = plan.gemm && rb - ra >= plan.gemm_rows;
-    Trickle pf(ahead);  // gemm: the next block's lines, over this block's tiles
-    // bf16 chunks on AVX512-BF16: both products on bf16 pairs.
-    const bool pairs = kBf16Pairs<T, TKV> && gemm && plan.bf16dot;
-    if (pairs) {
-      if constexpr (kBf16Pairs<T, TKV>) {
-        pf.spread_over(gemm_tiles(rb - ra, n8) + gemm_tiles(rb - ra, D));
-        qk_pairs<typename Vec::Bf16>(sc.qh.data() + ra * D, K.at(c0), K.ld, n,
-                                     n8, rb - ra, D, plan.qscale, S + ra * kBlock,
-                                     reinterpret_cast<uint32_t*>(sc.kt.data()), pf);
+      // Scores, run by run: read in place, or widened into the block's
+      // scratch rows and scored once.
+      for (int64_t j = c0, je; j < c1; j = je) {
+        je = run_end(j);
+        if (plan.fast_k) {
+          const Ahead ahead = run_ahead(h, j, je, c1, cend);
+          score_in_place<T>(plan, sc, ra, rb, K.at(j) + hk, K.ld, je - j, &ahead, j - c0);
+        } else {
+          pack_rows(K.at(j) + hk, K.ld, p.k_stride[3], je - j, D, Dp, sc.kb.data() + (j - c0) * Dp);
+        }
+        if constexpr (kQuantized) {
+          if (plan.fast_k) scale_columns(S + (j - c0), ra, rb, je - j, KS.at(j) + h * p.ks_stride[1], KS.ld);
+        }
       }
-    } else if (gemm) {
-      pf.spread_over(gemm_tiles(rb - ra, n8) + gemm_tiles(rb - ra, Dp));
-      pack_kt(K.at(c0), K.ld, p.k_stride[3], n, n8, D, Dp,
-              sc.kb.data(), sc.kt.data());
-      qk_gemm(Q + ra * Dp, Dp, sc.kt.data(), D, rb - ra, n8, S + ra * kBlock, kBlock, pf);
-    } else if (plan.fast_k) {
-      score_in_place<T>(plan, sc, ra, rb, K.at(c0), K.ld, n, &ahead);
-    } else {
-      pack_rows(K.at(c0), K.ld, p.k_stride[3], n, D, Dp, sc.kb.data());
-      qk_block(Q + ra * Dp, Dp, static_cast<const float*>(sc.kb.data()), Dp, Dp, rb - ra, n,
-               S + ra * kBlock, kBlock, nullptr);
-    }
-    if constexpr (kQuantized) scale_columns(S, ra, rb, n, KS.at(c0), KS.ld);
-    for (int64_t r = ra; r < rb; ++r) {
-      const int64_t ti = r / G;
-      const int64_t a = std::clamp(lo[ti], c0, c1) - c0;
-      const int64_t e = std::clamp(hi[ti], c0, c1) - c0;
-      softmax_row(S + r * kBlock, a, e, n8, plan.cap, m[r], l[r], alpha[r]);
-    }
-    if constexpr (kQuantized) scale_columns(S, ra, rb, n, VS.at(c0), VS.ld);
-    if (pairs) {
-      if constexpr (kBf16Pairs<T, TKV>) {
-        pv_pairs<typename Vec::Bf16>(S + ra * kBlock, V.at(c0), V.ld, n, n8,
-                                     rb - ra, D, O + ra * Dp, Dp, alpha + ra, sc.pb.data(),
-                                     reinterpret_cast<uint32_t*>(sc.vb.data()), pf);
+      if (!plan.fast_k) {
+        qk_block(Q + ra * Dp, Dp, static_cast<const float*>(sc.kb.data()), Dp, Dp, rb - ra, n,
+                 S + ra * kBlock, kBlock, nullptr);
+        if constexpr (kQuantized) {
+          for (int64_t j = c0; j < c1; j = run_end(j)) {
+            scale_columns(S + (j - c0), ra, rb, run_end(j) - j, KS.at(j) + h * p.ks_stride[1], KS.ld);
+          }
+        }
       }
-    } else if (gemm) {
-      if (std::is_same_v<TKV, float> && plan.fast_v) {
-        pv_block_gemm(S + ra * kBlock, kBlock, V.at(c0), V.ld, n,
-                      O + ra * Dp, Dp, alpha + ra, rb - ra, D, pf);
-      } else {
-        widen_rows(V.at(c0), V.ld, p.v_stride[3], n, D, Dp,
-                   sc.vb.data());
-        pv_block_gemm(S + ra * kBlock, kBlock, static_cast<const float*>(sc.vb.data()), Dp, n,
-                      O + ra * Dp, Dp, alpha + ra, rb - ra, Dp, pf);
+      softmax_rows(plan, sc, h * rows, ra, rb, c0, c1, n8);
+      // Weights, run by run; the block's first run rescales the output.
+      for (int64_t j = c0, je; j < c1; j = je) {
+        je = run_end(j);
+        if constexpr (kQuantized) {
+          scale_columns(S + (j - c0), ra, rb, je - j, VS.at(j) + h * p.vs_stride[1], VS.ld);
+        }
+        if (plan.fast_v) {
+          const Ahead ahead = run_ahead(h, j, je, c1, cend);
+          weigh_in_place<T>(plan, sc, ra, rb, V.at(j) + hv, V.ld, je - j, &ahead, j - c0,
+                            j == c0 ? alpha + ra : sc.ones.data());
+        } else {
+          pack_rows(V.at(j) + hv, V.ld, p.v_stride[3], je - j, D, Dp, sc.vb.data() + (j - c0) * Dp);
+        }
       }
-    } else if (plan.fast_v) {
-      weigh_in_place<T>(plan, sc, ra, rb, V.at(c0), V.ld, n, &ahead);
-    } else {
-      pack_rows(V.at(c0), V.ld, p.v_stride[3], n, D, Dp, sc.vb.data());
-      pv_block(S + ra * kBlock, kBlock, static_cast<const float*>(sc.vb.data()), Dp, n,
-               O + ra * Dp, Dp, alpha + ra, rb - ra, Dp);
+      if (!plan.fast_v) {
+        pv_block(S + ra * kBlock, kBlock, static_cast<const float*>(sc.vb.data()), Dp, n,
+                 O + ra * Dp, Dp, alpha + ra, rb - ra, Dp);
+      }
     }
   }
 
+  const int64_t all_rows = rows * t.heads;
   if (t.part >= 0) {  // a split of the row: keep the unnormalized state
     float* part = plan.partial + t.part * plan.part_stride;
-    std::copy(O, O + rows * Dp, part);
-    std::copy(m, m + rows, part + rows * Dp);
-    std::copy(l, l + rows, part + rows * Dp + rows);
+    std::copy(O, O + all_rows * Dp, part);
+    std::copy(m, m + all_rows, part + all_rows * Dp);
+    std::copy(l, l + all_rows, part + all_rows * Dp + all_rows);
     return;
   }
   T* obase = static_cast<T*>(p.out) + t.b * p.out_stride[0] +
               p.first_token(t.b) * p.out_stride[2];
-  for (int64_t ti = 0; ti < nt; ++ti) {
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = ti * G + g;
-      // A query that sees no slot (left padding) gets zeros.
-      const float inv = lo[ti] < hi[ti] ? 1.f / with_sink(p, t.kvh * G + g, m[r], l[r]) : 0.f;
-      T* dst = obase + (t.kvh * G + g) * p.out_stride[1] + (t.i0 + ti) * p.out_stride[2];
-      const float* src = O + r * Dp;
-      for (int64_t d = 0; d < D; ++d) dst[d * p.out_stride[3]] = static_cast<T>(src[d] * inv);
-    }
+  for (int64_t r = 0; r < all_rows; ++r) {
+    const int64_t h = r / rows, ti = (r % rows) / G, g = r % G;
+    const int64_t head = (t.kvh + h) * G + g;
+    // A query that sees no slot (left padding) gets zeros.
+    const float inv = lo[ti] < hi[ti] ? 1.f / with_sink(p, head, m[r], l[r]) : 0.f;
+    T* dst = obase + head * p.out_stride[1] + (t.i0 + ti) * p.out_stride[2];
+    const float* src = O + r * Dp;
+    for (int64_t d = 0; d < D; ++d) dst[d * p.out_stride[3]] = static_cast<T>(src[d] * inv);
   }
 }
 
@@ -1583,7 +1654,7 @@ void run_task_ring(const Plan& plan, const Task& t, Scratch& sc) {
     }
     if (run && plan.fast_k) {
       score_in_place<T>(plan, sc, 0, rows, kbase + sc.sel[c0] * p.k_stride[2], p.k_stride[2], n,
-                     &ahead);
+                        &ahead, 0);
       // A quantized run: the key scales on the scores, as in run_task.
       if constexpr (kQuantized) {
         scale_columns(S, 0, rows, n, kscale + sc.sel[c0] * p.ks_stride[2], p.ks_stride[2]);
@@ -1612,7 +1683,8 @@ void run_task_ring(const Plan& plan, const Task& t, Scratch& sc) {
       if constexpr (kQuantized) {
         scale_columns(S, 0, rows, n, vscale + sc.sel[c0] * p.vs_stride[2], p.vs_stride[2]);
       }
-      weigh_in_place<T>(plan, sc, 0, rows, vbase + sc.sel[c0] * p.v_stride[2], p.v_stride[2], n, &ahead);
+      weigh_in_place<T>(plan, sc, 0, rows, vbase + sc.sel[c0] * p.v_stride[2], p.v_stride[2], n, &ahead,
+                        0, alpha);
     } else {
       gather(c0, n, vbase, p.v_stride, vscale, p.vs_stride[2], vb);
       pv_block(S, kBlock, static_cast<const float*>(vb), Dp, n, O, Dp, alpha, rows, Dp);

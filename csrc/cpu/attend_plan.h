@@ -85,8 +85,21 @@ struct Plan {
   // sums (rows = group * seq: split tasks hold every query position).
   float* partial = nullptr;
   int64_t part_stride = 0;
+  // Paged layouts keep a slot's KV heads side by side (slot stride
+  // num_kv_heads x head_dim): a task over one head would read a strip of
+  // every slot and skip the rest, which measured up to 1.9x slower than the
+  // same work over a head-major cache (benchmarks/bench_paged.py). Tasks of
+  // few query rows (decode, short chunks: at most kGroupedRows rows over all
+  // heads) therefore take every KV head of their sequence (Task::heads) and
+  // walk the heads inside each block, so a block's slots are read whole
+  // while they are in cache. 1: one head a task (every other layout).
+  int64_t heads = 1;
 
   int64_t max_rows() const { return group * tile; }
+  // Query rows a task's scratch holds: a tile of one head or a grouped
+  // task's rows over all its heads.
+  int64_t scratch_rows() const { return heads > 1 ? std::max(max_rows(), kGroupedRows) : max_rows(); }
+  static constexpr int64_t kGroupedRows = 64;
 };
 
 // Where the slots of one (row, KV head) of a cache buffer (keys, values or
@@ -133,17 +146,22 @@ inline SlotRows<E> slot_rows(const AttendParams& p, const E* data, const int64_t
   return r;
 }
 
-// Query positions [i0, i1) of row b and KV head kvh, over the slots
-// [j0, j1) (the whole row unless the row is split); part < 0: the task
-// writes the output, otherwise partial slot `part`.
+// Query positions [i0, i1) of row b and KV heads [kvh, kvh + heads), over
+// the slots [j0, j1) (the whole row unless the row is split); part < 0: the
+// task writes the output, otherwise partial slot `part`. A task's scratch
+// rows are head-major: head kvh + h owns rows [h * R, (h + 1) * R),
+// R = group x (i1 - i0), position-major within.
 struct Task {
-  int64_t b = 0, kvh = 0, i0 = 0, i1 = 0, j0 = 0, j1 = 0, part = -1;
+  int64_t b = 0, kvh = 0, heads = 1, i0 = 0, i1 = 0, j0 = 0, j1 = 0, part = -1;
 };
 
 // Per-thread buffers, sized once per kernel call (zero-initialized: the
 // padding columns of q and the packed keys/values stay 0).
 struct Scratch {
   std::vector<float> q, o, s, kb, vb, m, l, alpha;
+  // 1 per row: the rescale of a block's later runs (the output is
+  // rescaled once a block, with its first run).
+  std::vector<float> ones;
   // Plan::gemm: a block's keys packed and transposed (dim_pad x kBlock).
   std::vector<float> kt;
   std::vector<int64_t> lo, hi;
@@ -163,7 +181,7 @@ struct Scratch {
   std::vector<c10::BFloat16> qh, pb;
 
   explicit Scratch(const Plan& plan) {
-    const int64_t rows = plan.max_rows();
+    const int64_t rows = plan.scratch_rows();
     q.assign(rows * plan.dim_pad, 0.f);
     o.assign(rows * plan.dim_pad, 0.f);
     s.assign(rows * kBlock, 0.f);
@@ -186,6 +204,7 @@ struct Scratch {
     m.assign(rows, 0.f);
     l.assign(rows, 0.f);
     alpha.assign(rows, 0.f);
+    ones.assign(rows, 1.f);
     lo.assign(plan.tile, 0);
     hi.assign(plan.tile, 0);
   }

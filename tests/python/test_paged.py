@@ -163,6 +163,36 @@ def test_split_rows_with_threads():
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [3, 16])
+def test_attend_head_dim_off_the_lanes(dtype, block_size):
+    """head_dim 12 (keys and values widened into scratch, not read in place): blocks that span pages
+    are packed run by run; decode and chunk rows of 3 KV heads (tasks over all heads) and a prefill
+    (one head a task) in one call."""
+    ctx, qlens = [150, 70, 40], [1, 6, 40]
+    q, kp, vp, table, lens, cu = make_case(ctx, qlens, heads=6, kv_heads=3, dim=12, block_size=block_size,
+                                           dtype=dtype, seed=17)
+    out = attend_pages(q, kp, vp, table, lens, cu, window=100)
+    ref = reference(q, kp, vp, table, lens, cu, window=100)
+    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_split_quantized_pages_over_all_heads(kv_dtype):
+    """Decode rows over every KV head, split over threads, on quantized 8-slot pages: the parts
+    of every head merged exactly, each run's scales on its own columns."""
+    from kv_testing import forced_split
+
+    ctx, qlens = [1000, 9, 300], [1, 1, 2]
+    q, kp, vp, table, lens, cu = make_case(ctx, qlens, heads=8, kv_heads=4, dim=32, block_size=8, seed=19)
+    kq, ks = quantize_ref(kp, kv_dtype)
+    vq, vs = quantize_ref(vp, kv_dtype)
+    ref = reference(q, dequantized(kq, ks), dequantized(vq, vs), table, lens, cu)
+    with forced_split():
+        out = attend_pages(q, kq, vq, table, lens, cu, key_scales=ks, value_scales=vs)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
 def test_attend_quantized_pages(kv_dtype, qdtype):
