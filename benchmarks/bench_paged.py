@@ -1,6 +1,6 @@
 """Paged attend against contiguous attend over the same sequences: what the page indirection costs.
 
-``python benchmarks/bench_paged.py [--threads 1 0] [--dtypes float32 bfloat16] [--block-sizes 16 64 256]
+``python benchmarks/bench_paged.py [--device cpu] [--threads 1 0] [--dtypes float32 bfloat16] [--block-sizes 16 64 256]
 [--batch 16] [--json F]``
 
 A decode step (one query per sequence) over a batch of sequences whose lengths spread from 1/8 of
@@ -23,7 +23,7 @@ import kvcache  # noqa: E402
 from kvcache.paged import attend_pages  # noqa: E402
 
 
-def case(batch, heads, kv_heads, dim, max_len, block_size, dtype, seed=0):
+def case(batch, heads, kv_heads, dim, max_len, block_size, dtype, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     lens = torch.linspace(max_len // 8, max_len, batch).round().to(torch.int32)
     keys = torch.randn(batch, kv_heads, max_len, dim, generator=g).to(dtype)
@@ -38,8 +38,9 @@ def case(batch, heads, kv_heads, dim, max_len, block_size, dtype, seed=0):
     kp.view(-1, kv_heads, dim)[slots] = keys.permute(0, 2, 1, 3).reshape(-1, kv_heads, dim)
     vp.view(-1, kv_heads, dim)[slots] = values.permute(0, 2, 1, 3).reshape(-1, kv_heads, dim)
     q = torch.randn(batch, heads, 1, dim, generator=g).to(dtype)
+    keys, values, lens, kp, vp, table, q = (t.to(device) for t in (keys, values, lens, kp, vp, table, q))
     cache = kvcache.KVLayerCache(keys, values, lens)
-    cu = torch.arange(batch + 1, dtype=torch.int32)
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
     q3 = q[:, :, 0].contiguous()
     contiguous = lambda: kvcache.attend(q, cache)  # noqa: E731
     paged = lambda: attend_pages(q3, kp, vp, table, lens, cu)  # noqa: E731
@@ -59,8 +60,10 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median reported)")
     args = p.parse_args(argv)
-    env = common.environment(torch.device("cpu"))
-    print(f"CPU: {env['cpu_model']} | attend ISA path: {env['attend_isa']} | torch {env['torch']}")
+    device = torch.device(args.device)
+    env = common.environment(device)
+    print(f"CPU: {env['cpu_model']} | attend ISA path: {env['attend_isa']} | torch {env['torch']}"
+          + (f" | GPU: {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""))
     rows = []
     for threads in common.thread_settings(args.threads):
         with common.num_threads(threads):
@@ -68,9 +71,9 @@ def main(argv=None):
                 dtype = getattr(torch, dt)
                 for bs in args.block_sizes:
                     contiguous, paged = case(args.batch, args.heads, args.kv_heads, args.head_dim,
-                                             args.max_len, bs, dtype)
+                                             args.max_len, bs, dtype, device=device)
                     t = common.measure_many({"contiguous": contiguous, "paged": paged},
-                                            torch.device("cpu"), args.min_time, args.rounds)
+                                            device, args.min_time, args.rounds)
                     c_us, p_us = t["contiguous"]["median_us"], t["paged"]["median_us"]
                     rows.append(dict(threads=torch.get_num_threads(), dtype=dt, block_size=bs,
                                      batch=args.batch, max_len=args.max_len, contiguous_us=c_us,

@@ -9,7 +9,8 @@
 #    the host compiler as the project needs), for this GPU's architecture
 #    only (a faster build; CI checks the release targets);
 # 2. runs tests/python/test_cuda.py (one log, a junit XML);
-# 3. runs the CUDA benchmarks (bench_update --device cuda, bench_attend_cuda),
+# 3. runs the CUDA benchmarks (bench_update --device cuda, bench_attend_cuda,
+#    bench_paged --device cuda),
 # writing everything under $OUT (or ./gpu-results when OUT is unset).
 # Fail-soft: the benchmarks run even if tests fail; every step has a time
 # limit, so the logs come back within one 10-minute call.
@@ -96,6 +97,9 @@ note "== benchmarks"
   PYTHONUNBUFFERED=1 timeout 50 "$PY" benchmarks/bench_attend_cuda.py --min-time 0.1 \
     --json "$OUT/bench_attend_cuda.json"
   echo "bench_attend_cuda exit $?"
+  PYTHONUNBUFFERED=1 timeout 60 "$PY" benchmarks/bench_paged.py --device cuda --threads 0 --min-time 0.1 \
+    --rounds 3 --json "$OUT/bench_paged.json"
+  echo "bench_paged exit $?"
 } >"$OUT/bench.log" 2>&1
 grep -E "exit" "$OUT/bench.log" | tee -a "$SUMMARY"
 note "== done in $(elapsed); files in $OUT"
