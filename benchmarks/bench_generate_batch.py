@@ -109,17 +109,18 @@ def gemm_rate(cfg, dtype: torch.dtype, rows: int = 512, reps: int = 20) -> float
 
 def work_flops(model, reqs, new_tokens: int) -> float:
     """The FLOPs the requests need: 2 x (weights used per token) per token processed (prompt and
-    generated, the lm_head included) plus attention's 4 x heads x head_dim per (query, visible key)."""
+    generated), attention's 4 x heads x head_dim per (query, visible key), and the lm_head once per
+    generated token (generate_batch computes logits for each request's last token only)."""
     cfg = model.config
-    params = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
-    if getattr(cfg, "tie_word_embeddings", False):
-        params += cfg.vocab_size * cfg.hidden_size  # the lm_head reads the embedding matrix
+    body = sum(p.numel() for name, p in model.named_parameters()
+               if "embed_tokens" not in name and "lm_head" not in name)
+    lm_head = cfg.vocab_size * cfg.hidden_size
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     per_pair = 4.0 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim
     flops = 0.0
     for r in reqs:
         total = len(r) + new_tokens
-        flops += 2.0 * params * total + per_pair * total * (total + 1) / 2
+        flops += 2.0 * body * total + 2.0 * lm_head * new_tokens + per_pair * total * (total + 1) / 2
     return flops
 
 
