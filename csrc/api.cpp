@@ -9,6 +9,10 @@
 #include <ATen/MemoryOverlap.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
 namespace kvcache {
 namespace {
 
@@ -407,6 +411,139 @@ void rollback_ring_layer_cache(const RingLayerCache& cache, int64_t n) {
                     cache.max_step, " tokens exactly, got n=", n);
   at::Tensor length = cache.length;
   length.copy_(rollback(length, at::full({}, n, length.options().dtype(at::kLong))));
+}
+
+// ---- Paged caches -----------------------------------------------------------
+
+void paged_write_(at::Tensor& key_pages, at::Tensor& value_pages, const at::Tensor& key,
+                  const at::Tensor& value, const at::Tensor& slot_mapping,
+                  const std::optional<at::Tensor>& key_scales,
+                  const std::optional<at::Tensor>& value_scales) {
+  static const auto op =
+      typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                 const at::Tensor&, const std::optional<at::Tensor>&,
+                 const std::optional<at::Tensor>&)>("kvcache::paged_write_", "");
+  op.call(key_pages, value_pages, key, value, slot_mapping, key_scales, value_scales);
+}
+
+at::Tensor paged_attend(const at::Tensor& q, const at::Tensor& key_pages,
+                        const at::Tensor& value_pages, const at::Tensor& block_table,
+                        const at::Tensor& context_lens, const at::Tensor& cu_seqlens_q,
+                        const PagedAttendOptions& options) {
+  static const auto op = typed<at::Tensor(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+      const at::Tensor&, const at::Tensor&, std::optional<double>, int64_t, double,
+      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+      const std::optional<at::Tensor>&)>("kvcache::paged_attend", "");
+  return op.call(q, key_pages, value_pages, block_table, context_lens, cu_seqlens_q,
+                 options.scale, options.window, options.softcap, options.key_scales,
+                 options.value_scales, options.sink_logits);
+}
+
+BlockAllocator::BlockAllocator(int64_t num_blocks, int64_t block_size)
+    : num_blocks_(num_blocks), block_size_(block_size) {
+  TORCH_CHECK_VALUE(num_blocks >= 1 && block_size >= 1,
+                    "num_blocks and block_size must be >= 1, got ", num_blocks, ", ",
+                    block_size);
+  // Handed out lowest first (free_ is popped from the back), as the Python allocator.
+  for (int64_t b = num_blocks - 1; b >= 0; --b) free_.push_back(b);
+  refs_.assign(static_cast<size_t>(num_blocks), 0);
+}
+
+int64_t BlockAllocator::take() {
+  const int64_t b = free_.back();
+  free_.pop_back();
+  refs_[b] = 1;
+  return b;
+}
+
+const std::vector<int64_t>& BlockAllocator::table_of(int64_t seq) const {
+  auto it = tables_.find(seq);
+  TORCH_CHECK_VALUE(it != tables_.end(), "unknown sequence ", seq);
+  return it->second;
+}
+
+at::Tensor BlockAllocator::append(int64_t seq, int64_t n) {
+  TORCH_CHECK_VALUE(n >= 0, "n must be >= 0, got ", n);
+  const bool is_new = !contains(seq);
+  std::vector<int64_t>& table = tables_[seq];
+  int64_t& length = lengths_[seq];
+  const int64_t need =
+      (length + n + block_size_ - 1) / block_size_ - static_cast<int64_t>(table.size());
+  if (need > free_blocks()) {
+    if (is_new) {  // a new sequence that got nothing is not kept
+      tables_.erase(seq);
+      lengths_.erase(seq);
+    }
+    throw std::runtime_error("out of pages: sequence " + std::to_string(seq) + " needs " +
+                             std::to_string(need) + " more blocks, " +
+                             std::to_string(free_blocks()) + " are free");
+  }
+  TORCH_CHECK_VALUE(length % block_size_ == 0 || refs_[table.back()] == 1,
+                    "the last block of sequence ", seq, " is shared; fork() gives a copy");
+  for (int64_t i = 0; i < need; ++i) table.push_back(take());
+  at::Tensor slots = at::empty({n}, at::kLong);
+  int64_t* out = slots.data_ptr<int64_t>();
+  for (int64_t p = length; p < length + n; ++p) {
+    out[p - length] = table[p / block_size_] * block_size_ + p % block_size_;
+  }
+  length += n;
+  return slots;
+}
+
+void BlockAllocator::free(int64_t seq) {
+  for (int64_t b : table_of(seq)) {
+    if (--refs_[b] == 0) free_.push_back(b);
+  }
+  tables_.erase(seq);
+  lengths_.erase(seq);
+}
+
+void BlockAllocator::fork(int64_t parent, int64_t child, const std::vector<at::Tensor>& pages) {
+  TORCH_CHECK_VALUE(!contains(child), "sequence ", child, " already exists");
+  const std::vector<int64_t> table = table_of(parent);
+  const int64_t length = lengths_.at(parent);
+  const bool partial = length % block_size_ != 0;
+  if (partial && free_.empty()) {
+    throw std::runtime_error("out of pages: fork needs one block for the partial last block");
+  }
+  std::vector<int64_t> mine(table.begin(), table.end() - (partial ? 1 : 0));
+  for (int64_t b : mine) ++refs_[b];
+  if (partial) {
+    const int64_t copy = take();
+    for (const at::Tensor& t : pages) t.select(0, copy).copy_(t.select(0, table.back()));
+    mine.push_back(copy);
+  }
+  tables_[child] = std::move(mine);
+  lengths_[child] = length;
+}
+
+at::Tensor BlockAllocator::block_table(const std::vector<int64_t>& seqs,
+                                       int64_t max_blocks) const {
+  int64_t width = max_blocks;
+  if (width < 0) {
+    width = 1;
+    for (int64_t s : seqs) width = std::max<int64_t>(width, table_of(s).size());
+  }
+  at::Tensor out = at::full({static_cast<int64_t>(seqs.size()), width}, -1, at::kInt);
+  int32_t* p = out.data_ptr<int32_t>();
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const std::vector<int64_t>& t = table_of(seqs[i]);
+    TORCH_CHECK_VALUE(static_cast<int64_t>(t.size()) <= width, "sequence ", seqs[i], " has ",
+                      t.size(), " blocks, more than max_blocks=", width);
+    for (size_t j = 0; j < t.size(); ++j) p[i * width + j] = static_cast<int32_t>(t[j]);
+  }
+  return out;
+}
+
+at::Tensor BlockAllocator::context_lens(const std::vector<int64_t>& seqs) const {
+  at::Tensor out = at::empty({static_cast<int64_t>(seqs.size())}, at::kInt);
+  int32_t* p = out.data_ptr<int32_t>();
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    table_of(seqs[i]);  // an unknown seq: ValueError
+    p[i] = static_cast<int32_t>(lengths_.at(seqs[i]));
+  }
+  return out;
 }
 
 }  // namespace kvcache

@@ -456,3 +456,101 @@ TEST_CASE("ring_update_quantized_ through the C++ API: each kept position's quan
     }
   }
 }
+
+namespace {
+
+// float64 attention of sequence s's queries over its gathered slots (plain
+// ATen): query i sits at position len - q_len + i and sees [0, pos].
+at::Tensor paged_reference(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vp,
+                           const at::Tensor& table, const std::vector<int64_t>& lens,
+                           const std::vector<int64_t>& cu) {
+  const int64_t bs = kp.size(1), kvh = kp.size(2), dim = kp.size(3), heads = q.size(1);
+  at::Tensor out = at::zeros(q.sizes(), at::kDouble);
+  for (size_t s = 0; s + 1 < cu.size(); ++s) {
+    const int64_t len = lens[s], q_len = cu[s + 1] - cu[s];
+    if (q_len == 0) continue;
+    at::Tensor pos = at::arange(len, at::kLong);
+    at::Tensor slots = table[s].to(at::kLong).index_select(0, at::floor_divide(pos, bs)) * bs + pos.remainder(bs);
+    at::Tensor K = kp.reshape({-1, kvh, dim}).index_select(0, slots).to(at::kDouble);  // (len, kvh, dim)
+    at::Tensor V = vp.reshape({-1, kvh, dim}).index_select(0, slots).to(at::kDouble);
+    for (int64_t i = 0; i < q_len; ++i) {
+      const int64_t p = len - q_len + i;
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t g = h / (heads / kvh);
+        at::Tensor k = K.narrow(0, 0, p + 1).select(1, g), v = V.narrow(0, 0, p + 1).select(1, g);
+        at::Tensor w = at::softmax(at::mv(k, q[cu[s] + i][h].to(at::kDouble)) / std::sqrt(double(dim)), 0);
+        out[cu[s] + i][h].copy_(at::mv(v.t(), w));
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("paged caches through the C++ API: allocator, write, attend, fork, free", "[api][paged]") {
+  constexpr int64_t kBlocks = 32, kBs = 8, kKvh = 2, kHeads = 4, kDim = 16;
+  kvcache::BlockAllocator alloc(kBlocks, kBs);
+  at::Tensor kp = at::zeros({kBlocks, kBs, kKvh, kDim}), vp = at::zeros({kBlocks, kBs, kKvh, kDim});
+  const std::vector<int64_t> seqs{3, 7, 11}, prompt{20, 5, 37};
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    at::Tensor slots = alloc.append(seqs[i], prompt[i]);
+    REQUIRE(slots.numel() == prompt[i]);
+    kvcache::paged_write_(kp, vp, at::randn({prompt[i], kKvh, kDim}), at::randn({prompt[i], kKvh, kDim}), slots);
+  }
+  REQUIRE(alloc.free_blocks() == kBlocks - (3 + 1 + 5));
+  at::Tensor table = alloc.block_table(seqs);
+  REQUIRE(table.sizes() == at::IntArrayRef({3, 5}));
+  REQUIRE(table[1][1].item<int32_t>() == -1);  // -1 padded
+  // A mixed batch: sequence 3 prefills all 20 tokens, 7 decodes one, 11 verifies 3.
+  const std::vector<int64_t> cu{0, 20, 21, 24};
+  at::Tensor q = at::randn({24, kHeads, kDim});
+  at::Tensor out = kvcache::paged_attend(q, kp, vp, table, alloc.context_lens(seqs),
+                                         at::tensor({0, 20, 21, 24}, at::kInt));
+  REQUIRE(at::allclose(out.to(at::kDouble), paged_reference(q, kp, vp, table, prompt, cu), 1e-5, 1e-5));
+
+  // fork: the full blocks shared, the partial last block (20 = 2 x 8 + 4) copied.
+  alloc.fork(3, 4, {kp, vp});
+  at::Tensor both = alloc.block_table({3, 4});
+  REQUIRE(both[0][0].item<int32_t>() == both[1][0].item<int32_t>());
+  REQUIRE(both[0][1].item<int32_t>() == both[1][1].item<int32_t>());
+  const int64_t mine = both[1][2].item<int32_t>(), theirs = both[0][2].item<int32_t>();
+  REQUIRE(mine != theirs);
+  REQUIRE(at::equal(kp[mine], kp[theirs]));
+  REQUIRE(at::equal(vp[mine], vp[theirs]));
+  // The child diverges without touching the parent's pages.
+  const at::Tensor parent_before = kp[theirs].clone();
+  at::Tensor slot = alloc.append(4, 1);
+  REQUIRE(slot.item<int64_t>() == mine * kBs + 4);
+  kvcache::paged_write_(kp, vp, at::randn({1, kKvh, kDim}), at::randn({1, kKvh, kDim}), slot);
+  REQUIRE(at::equal(kp[theirs], parent_before));
+  REQUIRE(alloc.context_lens({3, 4}).equal(at::tensor({20, 21}, at::kInt)));
+
+  // free: shared blocks return when their last owner frees them.
+  const int64_t before = alloc.free_blocks();
+  alloc.free(3);
+  REQUIRE(alloc.free_blocks() == before + 1);  // only the parent's own partial block
+  alloc.free(4);
+  REQUIRE(alloc.free_blocks() == before + 4);
+  REQUIRE_FALSE(alloc.contains(3));
+
+  // Errors: clear, and nothing written or allocated.
+  const at::Tensor k_before = kp.clone();
+  REQUIRE_THROWS_AS(kvcache::paged_write_(kp, vp, at::randn({2, kKvh, kDim}), at::randn({2, kKvh, kDim}),
+                                          at::tensor({int64_t{0}, kBlocks * kBs})),
+                    c10::ValueError);
+  REQUIRE_THROWS_AS(kvcache::paged_write_(kp, vp, at::randn({2, kKvh, kDim}), at::randn({2, kKvh, kDim}),
+                                          at::tensor({int64_t{5}, int64_t{5}})),
+                    c10::ValueError);
+  REQUIRE(at::equal(kp, k_before));
+  REQUIRE_THROWS_AS(alloc.append(99, kBlocks * kBs), std::runtime_error);
+  REQUIRE_FALSE(alloc.contains(99));
+  REQUIRE_THROWS_AS(alloc.append(7, -1), c10::ValueError);
+  REQUIRE_THROWS_AS(alloc.block_table({42}), c10::ValueError);
+  REQUIRE_THROWS_AS(alloc.fork(7, 11), c10::ValueError);
+  REQUIRE_THROWS_AS(kvcache::BlockAllocator(0, 8), c10::ValueError);
+  // context_lens beyond the table: a ValueError before anything is read.
+  REQUIRE_THROWS_AS(kvcache::paged_attend(q.narrow(0, 0, 1), kp, vp, alloc.block_table({7}),
+                                          at::tensor({kBs * 2}, at::kInt), at::tensor({0, 1}, at::kInt)),
+                    c10::ValueError);
+}

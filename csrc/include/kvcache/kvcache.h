@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 namespace kvcache {
@@ -340,5 +341,103 @@ KVCACHE_API std::vector<KVLayerCache> init_decoder_kv_caches(
     int64_t num_layers, int64_t batch_size, int64_t num_kv_heads,
     int64_t head_dim, int64_t max_len, at::ScalarType dtype,
     c10::Device device = c10::kCPU);
+
+// ---- Paged caches (continuous batching) -------------------------------------
+
+/// Optional arguments of paged_attend.
+struct PagedAttendOptions {
+  /// Score scale; default head_dim ** -0.5.
+  std::optional<double> scale;
+  /// > 0: a query at position p sees only positions (p - window, p].
+  int64_t window = 0;
+  /// > 0: scores become softcap * tanh(score / softcap).
+  double softcap = 0.0;
+  /// Quantized pages' float32 (num_blocks, block_size, num_kv_heads) scales
+  /// (both or neither).
+  std::optional<at::Tensor> key_scales;
+  std::optional<at::Tensor> value_scales;
+  /// (num_heads,) float32 learned sink logits.
+  std::optional<at::Tensor> sink_logits;
+};
+
+/// kvcache::paged_write_: token t of key / value (num_tokens, num_kv_heads,
+/// head_dim) goes to slot slot_mapping[t] (int32/int64 (num_tokens,); -1
+/// skips the token) of key_pages / value_pages (num_blocks, block_size,
+/// num_kv_heads, head_dim); slot s is slot s % block_size of page s /
+/// block_size. int8 / float8_e4m3fn pages are quantized on write, their
+/// float32 (num_blocks, block_size, num_kv_heads) scales beside them. Throws
+/// c10::ValueError / c10::TypeError (a slot outside [-1, num_blocks *
+/// block_size), a slot given twice, a wrong shape or dtype) with nothing
+/// written (on CUDA a bad slot_mapping writes nothing, unchecked on the host).
+KVCACHE_API void paged_write_(at::Tensor& key_pages, at::Tensor& value_pages,
+                              const at::Tensor& key, const at::Tensor& value,
+                              const at::Tensor& slot_mapping,
+                              const std::optional<at::Tensor>& key_scales = std::nullopt,
+                              const std::optional<at::Tensor>& value_scales = std::nullopt);
+
+/// kvcache::paged_attend: attention of num_seqs sequences' queries, packed
+/// in q (total_q, num_heads, head_dim) (sequence s's at tokens
+/// [cu_seqlens_q[s], cu_seqlens_q[s + 1])), over their pages: sequence s
+/// holds context_lens[s] tokens (this step's included), position j at slot
+/// j % block_size of page block_table[s, j / block_size] (int32 (num_seqs,
+/// max_blocks), -1 padded). Its queries are its last tokens. Returns (total_q,
+/// num_heads, head_dim) in q's dtype. Throws c10::ValueError for bad
+/// metadata (a visible page outside the pool, context_lens beyond the table,
+/// cu_seqlens_q not increasing) before anything is read (on CPU; on CUDA the
+/// metadata stays on the device and a bad sequence's rows are NaN).
+KVCACHE_API at::Tensor paged_attend(const at::Tensor& q, const at::Tensor& key_pages,
+                                    const at::Tensor& value_pages,
+                                    const at::Tensor& block_table,
+                                    const at::Tensor& context_lens,
+                                    const at::Tensor& cu_seqlens_q,
+                                    const PagedAttendOptions& options = {});
+
+/// Hands out pages to sequences (host bookkeeping, no tensor is touched but
+/// by fork's copy): each sequence owns a list of blocks; reference counts
+/// let a forked sequence share its parent's full blocks, and a block returns
+/// to the free list when its last owner frees it. The Python
+/// kvcache.paged.BlockAllocator, for C++ programs.
+class KVCACHE_API BlockAllocator {
+ public:
+  /// Throws c10::ValueError unless num_blocks >= 1 and block_size >= 1.
+  BlockAllocator(int64_t num_blocks, int64_t block_size);
+
+  int64_t num_blocks() const { return num_blocks_; }
+  int64_t block_size() const { return block_size_; }
+  /// Pages owned by no sequence.
+  int64_t free_blocks() const { return static_cast<int64_t>(free_.size()); }
+  /// Whether seq is known (appended to or forked, not freed).
+  bool contains(int64_t seq) const { return tables_.count(seq) != 0; }
+
+  /// Makes room for n more tokens of seq (a new seq starts empty); returns
+  /// their (n,) int64 slot mapping, for paged_write_. Throws c10::ValueError
+  /// for n < 0 or a shared last block, std::runtime_error when out of pages
+  /// (nothing allocated then).
+  at::Tensor append(int64_t seq, int64_t n);
+  /// Releases seq's blocks. Throws c10::ValueError for an unknown seq.
+  void free(int64_t seq);
+  /// child continues from parent's tokens: full blocks shared, a partial
+  /// last block copied to a new page of every tensor in pages (each indexed
+  /// by block along dimension 0: key / value pages and their scales, of every
+  /// layer). Throws c10::ValueError for an unknown parent or an existing
+  /// child, std::runtime_error when out of pages.
+  void fork(int64_t parent, int64_t child, const std::vector<at::Tensor>& pages = {});
+  /// (seqs.size(), max_blocks) int32 block table, -1 padded; max_blocks < 0:
+  /// the longest table. Throws c10::ValueError for an unknown seq or a table
+  /// longer than max_blocks.
+  at::Tensor block_table(const std::vector<int64_t>& seqs, int64_t max_blocks = -1) const;
+  /// (seqs.size(),) int32 tokens held per sequence.
+  at::Tensor context_lens(const std::vector<int64_t>& seqs) const;
+
+ private:
+  int64_t take();
+  const std::vector<int64_t>& table_of(int64_t seq) const;
+
+  int64_t num_blocks_, block_size_;
+  std::vector<int64_t> free_;
+  std::vector<int64_t> refs_;
+  std::unordered_map<int64_t, std::vector<int64_t>> tables_;
+  std::unordered_map<int64_t, int64_t> lengths_;
+};
 
 }  // namespace kvcache
