@@ -1,14 +1,20 @@
 """Paged attend against contiguous attend over the same sequences: what the page indirection costs.
 
 ``python benchmarks/bench_paged.py [--device cpu] [--threads 1 0] [--dtypes float32 bfloat16] [--block-sizes 16 64 256]
-[--batch 16] [--json F]``
+[--batch 16 32 64] [--packed-sdpa] [--json F]``
 
 A decode step (one query per sequence) over a batch of sequences whose lengths spread from 1/8 of
 ``--max-len`` to ``--max-len`` (SmolLM2's attention geometry by default: 9 query heads, 3 KV heads,
 head_dim 64), timed three ways in interleaved rounds: ``kvcache.attend`` over a contiguous
 ``(batch, kv_heads, max_len, head_dim)`` cache holding the sequences, ``attend_pages`` over the same
 tokens in shuffled pages of each block size, and ``paged/contiguous``, the ratio (the issue's bar:
-<= 1.15). Prints the CPU model and the kernel's ISA path; a figure holds only with them.
+<= 1.15). With several ``--batch`` sizes (the same lengths repeated), ``vs_first_batch`` is each
+paged time over the first batch's: decode attention over pages grows with the total context, so
+twice the sequences should cost about twice the time. ``--packed-sdpa`` also times what
+transformers' ``paged|sdpa`` does per layer: gather every sequence's context into one packed
+tensor and run SDPA over all queries against all keys under a block-diagonal mask (its work grows
+with the square of the batch). Prints the CPU model and the kernel's ISA path; a figure holds only
+with them.
 """
 
 import argparse
@@ -25,7 +31,10 @@ from kvcache.paged import attend_pages  # noqa: E402
 
 def case(batch, heads, kv_heads, dim, max_len, block_size, dtype, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    lens = torch.linspace(max_len // 8, max_len, batch).round().to(torch.int32)
+    # Lengths from max_len / 8 to max_len over (at most) 16 sequences, repeated: batches of 32 and
+    # 64 hold the 16-sequence batch's lengths twice and four times.
+    n = min(batch, 16)
+    lens = torch.linspace(max_len // 8, max_len, n).round().to(torch.int32).repeat(-(-batch // n))[:batch]
     keys = torch.randn(batch, kv_heads, max_len, dim, generator=g).to(dtype)
     values = torch.randn(batch, kv_heads, max_len, dim, generator=g).to(dtype)
     per = -(-max_len // block_size)
@@ -45,7 +54,23 @@ def case(batch, heads, kv_heads, dim, max_len, block_size, dtype, seed=0, device
     contiguous = lambda: kvcache.attend(q, cache)  # noqa: E731
     paged = lambda: attend_pages(q3, kp, vp, table, lens, cu)  # noqa: E731
     torch.testing.assert_close(paged(), contiguous()[:, :, 0], atol=2e-2, rtol=2e-2)
-    return contiguous, paged
+
+    # transformers' paged|sdpa: every context gathered into one packed (1, kv_heads, total, dim),
+    # all queries against all keys, a block-diagonal mask keeping each query to its sequence.
+    flat_slots = torch.cat([slots.view(batch, max_len)[b, : int(lens[b])] for b in range(batch)])
+    owner = torch.repeat_interleave(torch.arange(batch, device=device), lens.long().to(device))
+    mask = owner[None, :] == torch.arange(batch, device=device)[:, None]
+    flat_slots = flat_slots.to(device)
+
+    def packed_sdpa():
+        k = kp.view(-1, kv_heads, dim).index_select(0, flat_slots).transpose(0, 1)[None]
+        v = vp.view(-1, kv_heads, dim).index_select(0, flat_slots).transpose(0, 1)[None]
+        qq = q3.transpose(0, 1)[None]
+        return torch.nn.functional.scaled_dot_product_attention(qq, k, v, attn_mask=mask, enable_gqa=True)
+
+    if batch * max_len <= 1 << 16:  # the stand-in computes what paged attend does (checked where cheap)
+        torch.testing.assert_close(packed_sdpa()[0].transpose(0, 1), paged(), atol=2e-2, rtol=2e-2)
+    return contiguous, paged, packed_sdpa
 
 
 def main(argv=None):
@@ -53,7 +78,8 @@ def main(argv=None):
     common.add_common_args(p)
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64, 256])
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--batch", type=int, nargs="+", default=[16])
+    p.add_argument("--packed-sdpa", action="store_true", help="also time paged|sdpa's packed SDPA (slow)")
     p.add_argument("--max-len", type=int, default=4096)
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--kv-heads", type=int, default=3)
@@ -70,18 +96,29 @@ def main(argv=None):
             for dt in args.dtypes:
                 dtype = getattr(torch, dt)
                 for bs in args.block_sizes:
-                    contiguous, paged = case(args.batch, args.heads, args.kv_heads, args.head_dim,
-                                             args.max_len, bs, dtype, device=device)
-                    t = common.measure_many({"contiguous": contiguous, "paged": paged},
-                                            device, args.min_time, args.rounds)
-                    c_us, p_us = t["contiguous"]["median_us"], t["paged"]["median_us"]
-                    rows.append(dict(threads=torch.get_num_threads(), dtype=dt, block_size=bs,
-                                     batch=args.batch, max_len=args.max_len, contiguous_us=c_us,
-                                     paged_us=p_us, ratio=p_us / c_us,
-                                     paged_spread=common.spread(t["paged"])))
-    common.print_table("decode attend: paged vs contiguous (median of interleaved rounds)", rows,
-                       ["threads", "dtype", "block_size", "batch", "max_len", "contiguous_us",
-                        "paged_us", "paged_spread", "ratio"])
+                    first = {}
+                    for batch in args.batch:
+                        contiguous, paged, packed = case(batch, args.heads, args.kv_heads, args.head_dim,
+                                                         args.max_len, bs, dtype, device=device)
+                        fns = {"contiguous": contiguous, "paged": paged}
+                        if args.packed_sdpa:
+                            fns["packed_sdpa"] = packed
+                        t = common.measure_many(fns, device, args.min_time, args.rounds)
+                        c_us, p_us = t["contiguous"]["median_us"], t["paged"]["median_us"]
+                        first = first or {"batch": batch, "paged": p_us,
+                                          "sdpa": t.get("packed_sdpa", {}).get("median_us")}
+                        row = dict(threads=torch.get_num_threads(), dtype=dt, block_size=bs, batch=batch,
+                                   max_len=args.max_len, contiguous_us=c_us, paged_us=p_us, ratio=p_us / c_us,
+                                   paged_spread=common.spread(t["paged"]), vs_first_batch=p_us / first["paged"])
+                        if args.packed_sdpa:
+                            s_us = t["packed_sdpa"]["median_us"]
+                            row.update(packed_sdpa_us=s_us, sdpa_vs_first_batch=s_us / first["sdpa"])
+                        rows.append(row)
+    cols = ["threads", "dtype", "block_size", "batch", "max_len", "contiguous_us", "paged_us", "paged_spread",
+            "ratio", "vs_first_batch"]
+    if args.packed_sdpa:
+        cols += ["packed_sdpa_us", "sdpa_vs_first_batch"]
+    common.print_table("decode attend: paged vs contiguous (median of interleaved rounds)", rows, cols)
     common.write_json(args.json, env, args, rows)
 
 
