@@ -31,6 +31,11 @@ from transformers.generation.continuous_batching.cache_allocators import (  # no
 )
 
 PAGE = 8
+# transformers 5.24 reads pages in place (its layers call the patched cache update); 5.18's attention
+# function updates the cache itself and gathers the context, which paged|kvcache then reads.
+IN_PLACE = hf_paged.IN_PLACE
+needs_in_place = pytest.mark.skipif(not IN_PLACE, reason=f"transformers {transformers.__version__} gathers "
+                                    "the context in its attention-level cache update (5.24 reads pages in place)")
 
 
 @pytest.fixture(autouse=True)
@@ -135,11 +140,14 @@ def test_llama_generate_batch_matches_greedy_and_paged_sdpa(monkeypatch):
     counts = _Counts(monkeypatch)
     ours = _generate_batch(model, "kvcache", prompts, 12)
     assert model.config._attn_implementation == "kvcache"  # switched back after the manager stopped
-    assert counts.attend > 0 and counts.write == counts.attend and counts.gather == 0
+    assert counts.attend > 0
+    if IN_PLACE:
+        assert counts.write == counts.attend and counts.gather == 0
     assert ours == _greedy(model, "sdpa", prompts, 12)
     assert ours == _generate_batch(model, "sdpa", prompts, 12)  # paged sdpa (index-based cache)
 
 
+@needs_in_place
 def test_llama_no_gather(monkeypatch):
     """No context is read back through transformers' cache: its update is never called, and each
     layer of each step is one write_pages and one attend_pages."""
@@ -176,10 +184,13 @@ def test_gemma3_sliding_generate_batch(monkeypatch, window):
     prompts = _prompts((5, 13, 30, 41))
     counts = _Counts(monkeypatch)
     ours = _generate_batch(model, "kvcache", prompts, 20)
-    assert counts.direct > 0 and counts.gather > 0  # decode steps direct; a wrapping prefill chunk falls back
+    assert counts.attend > 0
+    if IN_PLACE:
+        assert counts.direct > 0 and counts.gather > 0  # decode steps direct; a wrapping prefill chunk falls back
     assert ours == _greedy(model, "eager", prompts, 20)
 
 
+@needs_in_place
 def test_gemma3_decode_steps_gather_nothing(monkeypatch):
     """Once prefills are done, sliding and full layers read the ring / pages in place."""
     model = _gemma3(16)

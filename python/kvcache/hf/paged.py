@@ -37,6 +37,7 @@ another attention implementation keep transformers' behaviour.
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, Optional
 
@@ -57,6 +58,12 @@ when it stops), as it does ``eager`` -> ``paged|eager``: transformers 5.24 resol
 ``"paged|<name>"`` to ``"<name>"``, so the paged function needs a name without the prefix."""
 
 IMPLEMENTATIONS = ("kvcache", PAGED_ATTN_IMPLEMENTATION, CB_ATTN_IMPLEMENTATION)
+
+IN_PLACE = False
+"""Whether the installed transformers lets ``paged|kvcache`` read its pages in place (5.24: its model
+layers call ``PagedAttentionCache.update`` before the attention, patched here to copy nothing). On
+5.18 the attention function updates the cache itself, which gathers each sequence's context;
+``paged|kvcache`` then reads the gathered rows (:func:`_attend_gathered`). Set by :func:`install`."""
 
 _installed = False
 _orig_update = None
@@ -341,6 +348,8 @@ def paged_kvcache_attention(
         ValueError: What ``attend_pages`` / ``write_pages`` refuse.
     """
     call = kwargs.pop(MARK, None)
+    if call is None and kwargs.get("cache") is not None and "read_index" in kwargs:
+        return _attend_gathered(module, query, key, value, scaling, softcap, kwargs)
     if call is None:
         return kvcache_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                  sliding_window=sliding_window, softcap=softcap, **kwargs)
@@ -348,11 +357,7 @@ def paged_kvcache_attention(
         raise NotImplementedError("paged|kvcache is for inference: attention dropout is not supported")
     if not getattr(module, "is_causal", True):
         raise NotImplementedError("paged|kvcache supports causal self-attention only")
-    sink_logits = kwargs.get("s_aux")
-    if sink_logits is None:
-        sink_logits = kwargs.get("sinks")
-    if sink_logits is not None:
-        sink_logits = sink_logits.detach().to(torch.float32).reshape(-1)
+    sink_logits = _sink_logits(kwargs)
     step, allocator, layer_idx = call.step, call.allocator, call.layer_idx
     q = query[0].transpose(0, 1)  # (num_tokens, num_heads, head_dim)
     k = key[0].transpose(0, 1)
@@ -368,15 +373,52 @@ def paged_kvcache_attention(
     return out.unsqueeze(0), None
 
 
-def _switch_to_cb_friendly_attn(self, model, auto_switch_to_flash: bool = True) -> None:
+def _sink_logits(kwargs: dict) -> Optional[torch.Tensor]:
+    sink = kwargs.get("s_aux")
+    if sink is None:
+        sink = kwargs.get("sinks")
+    return None if sink is None else sink.detach().to(torch.float32).reshape(-1)
+
+
+def _attend_gathered(module, query, key, value, scaling, softcap, kwargs: dict):
+    """transformers releases whose attention function updates the paged cache itself (5.18:
+    ``cache.update(k, v, layer_idx, read_index, write_index)`` writes the step's keys and values
+    and returns every sequence's context gathered back to back, as their flash varlen path reads
+    it): the gathered rows are read as pages of one slot, sequence ``s``'s at rows
+    ``[cu_seq_lens_k[s], cu_seq_lens_k[s + 1])``. The context is copied, as by ``paged|sdpa``, but
+    each query reads only its own sequence's keys (no ``total_q x total_k`` mask)."""
+    if not getattr(module, "is_causal", True):
+        raise NotImplementedError("paged|kvcache supports causal self-attention only")
+    window = int(getattr(module, "sliding_window", None) or 0)
+    layer_type = "sliding_attention" if window else "full_attention"
+    cu_k, max_k = kwargs["cu_seq_lens_k"], kwargs.get("max_seqlen_k")
+    if isinstance(cu_k, dict):
+        cu_k = cu_k[layer_type]
+        max_k = max_k[layer_type] if isinstance(max_k, dict) else max_k
+    k, v = kwargs["cache"].update(key_states=key, value_states=value, layer_idx=module.layer_idx,
+                                  read_index=kwargs["read_index"], write_index=kwargs["write_index"])
+    cu_k = cu_k.to(torch.int64)
+    k_len = _diff(cu_k)
+    width = max(int(max_k) if max_k is not None else int(k_len.max()) if k_len.numel() else 1, 1)
+    j = torch.arange(width, device=cu_k.device, dtype=torch.int64)
+    table = torch.where(j[None, :] < k_len[:, None], cu_k[:-1, None] + j[None, :], -1).to(torch.int32)
+    q = query[0].transpose(0, 1)
+    out = _attend_pages(q, k.unsqueeze(1), v.unsqueeze(1), table, k_len.to(torch.int32),
+                        kwargs["cu_seq_lens_q"].to(torch.int32), scaling, window, softcap, _sink_logits(kwargs))
+    return out.unsqueeze(0), None
+
+
+def _switch_to_cb_friendly_attn(self, model, *args, **kwargs) -> None:
     """``ContinuousBatchingManager.switch_to_cb_friendly_attn`` that keeps a kvcache attention.
 
     A ``"kvcache"`` / ``"paged|kvcache"`` model is switched to :data:`CB_ATTN_IMPLEMENTATION` (never to
-    flash); ``stop()`` restores the original name, as for ``eager`` -> ``paged|eager``.
+    flash); ``stop()`` restores the original name, as for ``eager`` -> ``paged|eager``. Any other
+    model goes to transformers' own method with its arguments as given (5.24 adds
+    ``auto_switch_to_flash``; 5.18 has none).
     """
     original = getattr(model.config, "_attn_implementation", None)
     if original not in IMPLEMENTATIONS:
-        return _orig_switch(self, model, auto_switch_to_flash)
+        return _orig_switch(self, model, *args, **kwargs)
     if original != CB_ATTN_IMPLEMENTATION:
         model.set_attn_implementation(CB_ATTN_IMPLEMENTATION)
         self._original_attn_impl = original
@@ -396,7 +438,7 @@ def install() -> bool:
         ``True`` when continuous batching was patched, ``False`` when the installed transformers
         has no continuous batching (the regular ``"kvcache"`` attention is registered either way).
     """
-    global _installed, _orig_update, _orig_switch
+    global _installed, _orig_update, _orig_switch, IN_PLACE
     from ._compat import AttentionInterface
 
     AttentionInterface.register(PAGED_ATTN_IMPLEMENTATION, paged_kvcache_attention)
@@ -412,8 +454,13 @@ def install() -> bool:
     manager_cls = getattr(continuous_api, "ContinuousBatchingManager", None)
     if not hasattr(cache_cls, "update") or manager_cls is None:
         return False
-    _orig_update = cache_cls.update
-    cache_cls.update = paged_update
+    # 5.24's model layers call cache.update(k, v, layer_idx, kwargs=...) before the attention (patched:
+    # no gather); 5.18's attention function calls update(..., read_index, write_index) itself
+    # (_attend_gathered, transformers' update kept).
+    IN_PLACE = "read_index" not in inspect.signature(cache_cls.update).parameters
+    if IN_PLACE:
+        _orig_update = cache_cls.update
+        cache_cls.update = paged_update
     _orig_switch = manager_cls.switch_to_cb_friendly_attn
     manager_cls.switch_to_cb_friendly_attn = _switch_to_cb_friendly_attn
     _installed = True
