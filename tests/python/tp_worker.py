@@ -6,8 +6,9 @@ Loads the tiny model saved in MODEL_DIR with transformers' tensor-parallel
 plan (``tp_plan="auto"``: the q/k/v projections are split by heads, so each
 rank holds half the KV heads), generates greedily with kvcache.hf caches
 (lazily allocated; allocated up front from the config; a compiled decode
-loop), and writes the tokens of each to OUT_DIR/rank{R}.pt for the test to
-compare with one process's tokens.
+loop) and with ``generate_batch`` over transformers' paged cache, and
+writes the tokens of each to OUT_DIR/rank{R}.pt for the test to compare
+with one process's tokens.
 """
 
 from __future__ import annotations
@@ -74,6 +75,21 @@ def main() -> int:
             out["compiled_graphs"] = counters["stats"]["unique_graphs"]
         except Exception as e:  # noqa: BLE001 - reported to the test, which fails with it
             out["compiled_error"] = f"{type(e).__name__}: {str(e)[:3000]}"
+
+    # Continuous batching (generate_batch through paged|kvcache) over transformers' own pages, each
+    # rank holding its half of the KV heads.
+    try:
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        model.set_attn_implementation("kvcache")
+        gc = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        cb = ContinuousBatchingConfig(page_size=8, num_blocks=32, max_batch_tokens=16, allow_block_sharing=True)
+        res = model.generate_batch(data["requests"], generation_config=gc, continuous_batching_config=cb,
+                                   progress_bar=False)
+        out["batch"] = [res[f"req_{i}"].generated_tokens for i in range(len(data["requests"]))]
+    except Exception as e:  # noqa: BLE001 - reported to the test, which fails with it
+        out["batch_error"] = f"{type(e).__name__}: {str(e)[:3000]}"
 
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
