@@ -116,14 +116,19 @@ struct SlotRows {
   int64_t table_stride = 0;
   int64_t page_stride = 0;           // elements between pages
   int64_t block_size = 1;
+  // log2(block_size) when it is a power of two (every page size in use), else -1: the page and
+  // offset of a slot by shift and mask instead of two integer divisions, which the kernel's
+  // per-run bookkeeping otherwise paid tens of times per block.
+  int shift = -1;
 
+  int64_t page_of(int64_t j) const { return shift >= 0 ? j >> shift : j / block_size; }
+  int64_t offset_of(int64_t j) const { return shift >= 0 ? j & (block_size - 1) : j % block_size; }
   const E* at(int64_t j) const {
     if (table == nullptr) return base + j * ld;
-    return base + int64_t(table[(j / block_size) * table_stride]) * page_stride +
-           (j % block_size) * ld;
+    return base + int64_t(table[page_of(j) * table_stride]) * page_stride + offset_of(j) * ld;
   }
   int64_t run(int64_t j) const {
-    return table == nullptr ? std::numeric_limits<int64_t>::max() : block_size - j % block_size;
+    return table == nullptr ? std::numeric_limits<int64_t>::max() : block_size - offset_of(j);
   }
 };
 
@@ -143,6 +148,10 @@ inline SlotRows<E> slot_rows(const AttendParams& p, const E* data, const int64_t
   r.table_stride = p.bt_stride[1];
   r.page_stride = stride[0];
   r.block_size = p.block_size;
+  if (p.block_size > 0 && (p.block_size & (p.block_size - 1)) == 0) {
+    r.shift = 0;
+    while ((int64_t(1) << r.shift) < p.block_size) ++r.shift;
+  }
   return r;
 }
 
