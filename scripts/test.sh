@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Sets up (scripts/setup.sh), then runs every test: the C++ build with the
-# Catch2 tests under CTest, then pytest. Exits non-zero on any failure.
+# Catch2 tests under CTest, then pytest, then the Hugging Face tests again on
+# the oldest transformers kvcache.hf supports (KVCACHE_HF_OLDEST, default
+# 5.18.0; empty: skipped). Exits non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -24,3 +26,19 @@ echo "== pytest"
 start=$(date +%s)
 KVCACHE_RUNNER="$PWD/build/cmake/kvcache_run" python -m pytest -q -p no:cacheprovider tests/python
 echo "== pytest took $(( $(date +%s) - start ))s"
+
+# kvcache.hf supports transformers 5.18 to 5.24 (kvcache/hf/_compat.py): the HF tests again on the
+# oldest, installed beside the venv's (--target, no dependencies: 5.24's serve it) and put first on
+# PYTHONPATH.
+oldest=${KVCACHE_HF_OLDEST-5.18.0}
+if [ -n "$oldest" ]; then
+  echo "== pytest (Hugging Face tests, transformers $oldest)"
+  start=$(date +%s)
+  . scripts/pip_quiet.sh
+  target="$PWD/build/transformers-$oldest"
+  [ -d "$target/transformers" ] || pip_quiet --no-deps --target "$target" "transformers==$oldest"
+  PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}" python -m pytest -q -p no:cacheprovider \
+    tests/python/test_hf.py tests/python/test_hf_paged.py tests/python/test_hf_ring.py \
+    tests/python/test_tensor_parallel.py
+  echo "== pytest (transformers $oldest) took $(( $(date +%s) - start ))s"
+fi
