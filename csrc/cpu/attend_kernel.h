@@ -482,8 +482,9 @@ __attribute__((always_inline)) inline void pv_tile_i8(const int16_t* wq, int64_t
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 8
     for (int b = 0; b < W; ++b) {
-      Dot::finish(o + r * ldo + 16 * b, acc[(r * W + b) * 2], alpha[r], ws[r]);
-      Dot::finish(o + r * ldo + 16 * b + 8, acc[(r * W + b) * 2 + 1], alpha[r], ws[r]);
+      const float a = alpha != nullptr ? alpha[r] : 1.f;  // nullptr: no rescale (a later run)
+      Dot::finish(o + r * ldo + 16 * b, acc[(r * W + b) * 2], a, ws[r]);
+      Dot::finish(o + r * ldo + 16 * b + 8, acc[(r * W + b) * 2 + 1], a, ws[r]);
     }
   }
 }
@@ -519,7 +520,8 @@ inline bool i16_exact(float amax) {
 }
 
 // Rows [0, rows) of the block: P (the weights, value scales applied) to
-// int16 in sc.wq, then O = alpha O + P V by pv_tile_i8. Returns false, having
+// int16 in sc.wq, then O = alpha O + P V by pv_tile_i8 (alpha nullptr: no
+// rescale, a later run of a block). Returns false, having
 // done nothing, when a row's weights are not all finite (NaN data, or an
 // infinite scale; the float loops then give the IEEE result) or are too
 // small for int16 rounding to be exact (i16_exact).
@@ -549,13 +551,14 @@ bool pv_block_i8(const float* p, int64_t ldp, const int8_t* v, int64_t ldv, int6
   constexpr bool kWide = Vec::kAcc >= 16;
   int64_t r = 0;
   for (; r + 4 <= rows; r += 4) {
-    pv_rows_i8<Dot, 4, kWide ? 3 : 1>(wq + r * ldw, ldw, v, ldv, n, o + r * ldo, ldo, alpha + r,
-                                      ws + r, dim);
+    const float* a = alpha != nullptr ? alpha + r : nullptr;
+    pv_rows_i8<Dot, 4, kWide ? 3 : 1>(wq + r * ldw, ldw, v, ldv, n, o + r * ldo, ldo, a, ws + r, dim);
   }
+  const float* a = alpha != nullptr ? alpha + r : nullptr;
   switch (rows - r) {
-    case 3: pv_rows_i8<Dot, 3, kWide ? 4 : 1>(wq + r * ldw, ldw, v, ldv, n, o + r * ldo, ldo, alpha + r, ws + r, dim); break;
-    case 2: pv_rows_i8<Dot, 2, kWide ? 4 : 1>(wq + r * ldw, ldw, v, ldv, n, o + r * ldo, ldo, alpha + r, ws + r, dim); break;
-    case 1: pv_rows_i8<Dot, 1, kWide ? 4 : 1>(wq + r * ldw, ldw, v, ldv, n, o + r * ldo, ldo, alpha + r, ws + r, dim); break;
+    case 3: pv_rows_i8<Dot, 3, kWide ? 4 : 1>(wq + r * ldw, ldw, v, ldv, n, o + r * ldo, ldo, a, ws + r, dim); break;
+    case 2: pv_rows_i8<Dot, 2, kWide ? 4 : 1>(wq + r * ldw, ldw, v, ldv, n, o + r * ldo, ldo, a, ws + r, dim); break;
+    case 1: pv_rows_i8<Dot, 1, kWide ? 4 : 1>(wq + r * ldw, ldw, v, ldv, n, o + r * ldo, ldo, a, ws + r, dim); break;
     default: break;
   }
   return true;
@@ -1295,7 +1298,7 @@ inline void score_in_place(const Plan& plan, Scratch& sc, int64_t ra, int64_t rb
 // (Plan::fast_v), the weights of block columns [col, col + n): the bf16 pair
 // loops or the integer loops (when the block's weights are finite) where
 // they apply, else the float ones. alpha: the rows' rescale (sc.alpha + ra
-// for a block's first run, sc.ones for the others).
+// for a block's first run; nullptr, none, for the others).
 template <typename T, typename TKV>
 inline void weigh_in_place(const Plan& plan, Scratch& sc, int64_t ra, int64_t rb, const TKV* v,
                            int64_t ldv, int64_t n, const Ahead* ahead, int64_t col,
@@ -1518,7 +1521,7 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
         if (plan.fast_v) {
           const Ahead ahead = run_ahead(h, j, je, c1, cend);
           weigh_in_place<T>(plan, sc, ra, rb, V.at(j) + hv, V.ld, je - j, &ahead, j - c0,
-                            j == c0 ? alpha + ra : sc.ones.data());
+                            j == c0 ? alpha + ra : nullptr);
         } else {
           pack_rows(V.at(j) + hv, V.ld, p.v_stride[3], je - j, D, Dp, sc.vb.data() + (j - c0) * Dp);
         }

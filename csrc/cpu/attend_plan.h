@@ -168,9 +168,6 @@ struct Task {
 // padding columns of q and the packed keys/values stay 0).
 struct Scratch {
   std::vector<float> q, o, s, kb, vb, m, l, alpha;
-  // 1 per row: the rescale of a block's later runs (the output is
-  // rescaled once a block, with its first run).
-  std::vector<float> ones;
   // Plan::gemm: a block's keys packed and transposed (dim_pad x kBlock).
   std::vector<float> kt;
   std::vector<int64_t> lo, hi;
@@ -213,7 +210,6 @@ struct Scratch {
     m.assign(rows, 0.f);
     l.assign(rows, 0.f);
     alpha.assign(rows, 0.f);
-    ones.assign(rows, 1.f);
     lo.assign(plan.tile, 0);
     hi.assign(plan.tile, 0);
   }
