@@ -139,6 +139,14 @@ def _take(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return src[idx.clamp(0, src.numel() - 1)]
 
 
+def _gathered_table(cu_k: torch.Tensor, k_len: torch.Tensor, width: int) -> torch.Tensor:
+    """``(num_seqs, max(width, 1))`` int32 block table over a gathered context read as pages of one
+    row: sequence ``s``'s at rows ``[cu_k[s], cu_k[s] + k_len[s])``, ``-1`` past its length."""
+    j = torch.arange(max(width, 1), device=cu_k.device, dtype=torch.int64)
+    table = cu_k[:-1].to(torch.int64)[:, None] + j[None, :]
+    return torch.where(j[None, :] < k_len[:, None], table, -1).to(torch.int32)
+
+
 def _past_lengths(kwargs: dict, cu_k_all: dict, cu_q: torch.Tensor, q_len: torch.Tensor) -> torch.Tensor:
     """Each sequence's cached tokens before this step, on the device (no host sync)."""
     full = cu_k_all.get("full_attention")
@@ -182,10 +190,7 @@ def _build_step(allocator, kwargs: dict, cu_k_all: dict, max_k_all: dict) -> Gro
         step.gather = True
         step.slots = None
         step.block_size = 1
-        width = max(ml_k, 1)
-        j = torch.arange(width, device=dev, dtype=torch.int64)
-        table = cu_k[:-1].to(torch.int64)[:, None] + j[None, :]
-        step.block_table = torch.where(j[None, :] < k_len[:, None], table, -1).to(torch.int32)
+        step.block_table = _gathered_table(cu_k, k_len, ml_k)
         step.context_lens = k_len.to(torch.int32)
         return step
 
@@ -397,11 +402,9 @@ def _attend_gathered(module, query, key, value, scaling, softcap, kwargs: dict):
         max_k = max_k[layer_type] if isinstance(max_k, dict) else max_k
     k, v = kwargs["cache"].update(key_states=key, value_states=value, layer_idx=module.layer_idx,
                                   read_index=kwargs["read_index"], write_index=kwargs["write_index"])
-    cu_k = cu_k.to(torch.int64)
     k_len = _diff(cu_k)
-    width = max(int(max_k) if max_k is not None else int(k_len.max()) if k_len.numel() else 1, 1)
-    j = torch.arange(width, device=cu_k.device, dtype=torch.int64)
-    table = torch.where(j[None, :] < k_len[:, None], cu_k[:-1, None] + j[None, :], -1).to(torch.int32)
+    width = int(max_k) if max_k is not None else int(k_len.max()) if k_len.numel() else 1
+    table = _gathered_table(cu_k, k_len, width)
     q = query[0].transpose(0, 1)
     out = _attend_pages(q, k.unsqueeze(1), v.unsqueeze(1), table, k_len.to(torch.int32),
                         kwargs["cu_seq_lens_q"].to(torch.int32), scaling, window, softcap, _sink_logits(kwargs))
