@@ -99,16 +99,6 @@ using Vec = VecAvx512Bf16;
 
 namespace {
 
-// Query rows (group x positions) a task aims for: enough to reuse each
-// key/value block from L1 many times, few enough to keep the scores,
-// outputs and queries of the task in L2.
-constexpr int64_t kTileRows = 64;
-// The chunk loops (Plan::gemm) keep a strip of the packed keys or of the
-// values in L1 whatever the rows, so their tasks take twice the rows: each
-// task re-reads the row's keys and values from memory, half as often.
-// Re-tune with benchmarks/bench_attend.py --cases chunk --filled 4096 (its
-// seq-128 rows) after changing it.
-constexpr int64_t kGemmTileRows = 128;
 // Default estimated work (see work_of) above which a call uses helper
 // threads: 2e5 units, about the work a helper's wake-up must pay back on an
 // idle core; a batch-1 decode with 32/8 heads, head_dim 128 goes parallel
@@ -121,8 +111,6 @@ constexpr double kDefaultParallelWork = 2e5;
 // Default fewest slots in a split of a row: two blocks; the merge of a
 // split costs about one block's output update.
 constexpr int64_t kDefaultMinSplit = 2 * kBlock;
-// Tasks per thread the splitting aims for (load balance).
-constexpr int64_t kTasksPerThread = 4;
 
 double env_double(const char* name, double fallback) {
   const char* env = std::getenv(name);
@@ -151,7 +139,6 @@ std::atomic<int64_t>& min_split_setting() {
   return v;
 }
 
-enum class Isa { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3, kAvx512Bf16 = 4 };
 
 // The best path this CPU runs, capped by KVCACHE_ATTEND_ISA (generic, avx2,
 // avx512, avx512vnni or avx512bf16; read once): tests force each path the
@@ -199,20 +186,6 @@ const char* isa_name(Isa i) {
   }
 }
 
-int isa_lanes(Isa i) { return i >= Isa::kAvx512 ? 16 : 8; }
-
-// Visible slots [lo, hi) of the query at position i of row b (lo == hi:
-// none). A ring's queries may see any slot: [0, max_len), read by position.
-void visible(const AttendParams& p, int64_t b, int64_t i, int64_t& lo, int64_t& hi) {
-  if (p.positions != nullptr) {
-    lo = 0;
-    hi = p.max_len;
-    return;
-  }
-  const int64_t len = p.host_lengths[b];
-  const int64_t pos = len - p.seq_of(b) + i;
-  detail::visible_range(pos, p.host_kv_start ? p.host_kv_start[b] : 0, p.window, &lo, &hi);
-}
 
 // Rings: whether each query of row b finds every position the rule asks
 // for (visible_count) among the row's slots. One that does not (the ring
@@ -279,16 +252,6 @@ std::vector<char> ring_missing(const AttendParams& p) {
   return bad;
 }
 
-// Cost model of a task, in units of about 1/4 ns: two passes of
-// rows x slots x head_dim multiply-adds (8 per vector op, about 2 vector ops
-// a cycle), plus reading each slot's key and value (streamed from memory
-// for long rows).
-double work_of(const Plan& plan, int64_t rows, int64_t slots, int64_t elem_bytes) {
-  const double flops = 2.0 * double(rows) * double(slots) * double(plan.dim_pad) / 16.0;
-  const double bytes = 2.0 * double(slots) * double(plan.dim) * double(elem_bytes) / 8.0;
-  return flops + bytes + 200.0;
-}
-
 using TaskFn = void (*)(const Plan&, const Task&, Scratch&);
 
 // Combines the splits of a row by the rule of core/merge.h (shared with the
@@ -331,159 +294,40 @@ void merge_parts(const Plan& plan, int64_t b, int64_t kvh, int64_t heads, int64_
   }
 }
 
+// One call: plan (make_plan), the ISA's instance of the main loop, schedule
+// (make_schedule), the tasks on the calling thread and its helpers, the
+// merge of split rows, and a ring's lost positions made NaN.
 template <typename T, typename TKV = T>
 void attend_typed(const AttendParams& p) {
-  Plan plan;
-  plan.p = &p;
-  plan.group = p.num_heads / p.num_kv_heads;
-  plan.dim = p.head_dim;
   const Isa path = isa();
-  const int64_t lanes = isa_lanes(path);
-  plan.dim_pad = (p.head_dim + lanes - 1) / lanes * lanes;
-  plan.tile = std::clamp<int64_t>(kTileRows / plan.group, 1, p.seq);
-  plan.fast_k = p.k_stride[3] == 1 && p.head_dim % lanes == 0;
-  plan.fast_v = p.v_stride[3] == 1 && p.head_dim % lanes == 0;
-  plan.ring = p.positions != nullptr;
-  // The integer loops (I8DotAvx2): 16 int16 lanes a step, exact int32 sums
-  // up to 256 elements. Only for 16-bit queries: rounding a query row to
-  // int16 (2^-16 of its largest element) adds less to a score than the
-  // queries' own bf16/fp16 rounding did, while fp32 queries keep fp32
-  // scores (the float loops, as every other int8 cache).
-  plan.i8dot = std::is_same_v<TKV, int8_t> && !std::is_same_v<T, float> &&
-               path != Isa::kGeneric && plan.fast_k && p.head_dim % 16 == 0 &&
-               p.head_dim <= 256;
-  plan.gemm_rows = gemm_rows_setting().load();
-  plan.gemm = !plan.ring && !plan.i8dot && p.head_dim % 8 == 0 &&
-              plan.max_rows() >= plan.gemm_rows;
-  if (plan.gemm) plan.tile = std::clamp<int64_t>(kGemmTileRows / plan.group, 1, p.seq);
-  // bf16 queries over a bf16 cache, keys in place, on AVX512-BF16: the pair loops.
-  const bool bf16_pairs = path == Isa::kAvx512Bf16 && std::is_same_v<T, c10::BFloat16> &&
-                          std::is_same_v<TKV, c10::BFloat16> && plan.fast_k;
-  plan.bf16dot = bf16_pairs && plan.gemm && plan.fast_v && p.k_stride[2] % 2 == 0;
-  plan.bf16qk = bf16_pairs && p.head_dim % 32 == 0;
-  plan.bf16pv = plan.bf16qk && plan.fast_v;
-  // Linear bf16 tasks score every block on the bf16 queries (sc.qh): the
-  // pair chunks (bf16dot) or, below gemm_rows rows, qk_tile_bf16. Rings
-  // gather blocks that are not consecutive into float32 rows (sc.q's loops).
-  plan.f32_queries = !(plan.bf16qk && !plan.ring && (!plan.gemm || plan.bf16dot));
-  if (p.softcap > 0.f) {
-    plan.qscale = p.scale / p.softcap;
-    plan.cap = p.softcap * kLog2e;
-  } else {
-    plan.qscale = p.scale * kLog2e;
-  }
-  TaskFn task_fn = plan.ring ? &isa_generic::run_task_ring<T, TKV> : &isa_generic::run_task<T, TKV>;
+  Plan plan = make_plan(p, path, gemm_rows_setting().load());
+  TaskFn task_fn = &isa_generic::run_task<T, TKV>;
 #if KVCACHE_ATTEND_X86
   if (path == Isa::kAvx2) {
-    task_fn = plan.ring ? &isa_avx2::run_task_ring<T, TKV> : &isa_avx2::run_task<T, TKV>;
+    task_fn = &isa_avx2::run_task<T, TKV>;
   } else if (path >= Isa::kAvx512) {
-    task_fn = plan.ring ? &isa_avx512::run_task_ring<T, TKV> : &isa_avx512::run_task<T, TKV>;
+    task_fn = &isa_avx512::run_task<T, TKV>;
     if constexpr (std::is_same_v<TKV, int8_t> && !std::is_same_v<T, float>) {
-      if (plan.i8dot && path >= Isa::kAvx512Vnni) {
-        task_fn = plan.ring ? &isa_avx512vnni::run_task_ring<T, TKV> : &isa_avx512vnni::run_task<T, TKV>;
+      if (plan.scores == Loops::kInt16 && path >= Isa::kAvx512Vnni) {
+        task_fn = &isa_avx512vnni::run_task<T, TKV>;
       }
     }
     if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<TKV, c10::BFloat16>) {
-      if (plan.bf16dot || plan.bf16qk) {
-        task_fn = plan.ring ? &isa_avx512bf16::run_task_ring<T, TKV> : &isa_avx512bf16::run_task<T, TKV>;
+      if (plan.bf16_queries()) {
+        task_fn = &isa_avx512bf16::run_task<T, TKV>;
       }
     }
   }
 #endif
 
-  // Paged slots hold every KV head side by side: tiles of few rows take
-  // all heads in one task (Plan::heads).
-  if (p.block_table != nullptr && !plan.ring && p.num_kv_heads > 1 &&
-      p.num_heads <= Plan::kGroupedRows) {
-    plan.heads = p.num_kv_heads;
-  }
-
-  // Tasks: (row, KV head or all KV heads, tile), each over the slots its
-  // queries see. The most tiles a row has (rows of varlen queries have
-  // fewer or as many).
-  const int64_t tiles = (p.seq + plan.tile - 1) / plan.tile;
-  std::vector<Task> tasks;
-  std::vector<double> work;
-  tasks.reserve(p.batch * p.num_kv_heads * tiles);
-  double total = 0.0;
-  for (int64_t b = 0; b < p.batch; ++b) {
-    const int64_t seq_b = p.seq_of(b);
-    for (int64_t tile = 0; tile * plan.tile < seq_b; ++tile) {
-      const int64_t i0 = tile * plan.tile, i1 = std::min(seq_b, i0 + plan.tile);
-      int64_t lo0, hi0, lo1, hi1;
-      visible(p, b, i0, lo0, hi0);
-      visible(p, b, i1 - 1, lo1, hi1);
-      const int64_t slots = std::max<int64_t>(0, hi1 - std::min(lo0, lo1));
-      const double w = work_of(plan, plan.group * (i1 - i0), slots, sizeof(TKV));
-      const int64_t heads =
-          plan.heads > 1 && p.num_heads * (i1 - i0) <= Plan::kGroupedRows ? plan.heads : 1;
-      for (int64_t kvh = 0; kvh < p.num_kv_heads; kvh += heads) {
-        Task t;
-        t.b = b;
-        t.kvh = kvh;
-        t.heads = heads;
-        t.i0 = i0;
-        t.i1 = i1;
-        t.j0 = std::min(lo0, lo1);
-        t.j1 = std::max(t.j0, hi1);
-        tasks.push_back(t);
-        work.push_back(w * double(heads));
-        total += w * double(heads);
-      }
-    }
-  }
-
-  const int64_t threads = at::get_num_threads();
-  const bool parallel = threads > 1 && total > parallel_work_setting().load() &&
-                        !at::in_parallel_region();
-
-  // Split long rows when there are too few tasks to keep the threads busy
-  // (decode of a small batch): one part per kBlock-aligned range.
-  std::vector<float> partial;
-  struct Split {
-    int64_t b, kvh, heads, first_part, parts;
-  };
-  std::vector<Split> splits;
-  if (parallel && tiles == 1) {
-    const int64_t want = kTasksPerThread * threads;
-    if (static_cast<int64_t>(tasks.size()) < want) {
-      int64_t slots_total = 0;
-      for (const Task& t : tasks) slots_total += t.j1 - t.j0;
-      const int64_t min_split = (min_split_setting().load() + kBlock - 1) / kBlock * kBlock;
-      const int64_t target = std::max<int64_t>(
-          min_split, (slots_total / want + kBlock - 1) / kBlock * kBlock);
-      std::vector<Task> split_tasks;
-      std::vector<double> split_work;
-      int64_t parts_total = 0;
-      for (size_t x = 0; x < tasks.size(); ++x) {
-        const Task& t = tasks[x];
-        const int64_t parts = std::max<int64_t>(1, (t.j1 - t.j0 + target - 1) / target);
-        if (parts == 1) {
-          split_tasks.push_back(t);
-          split_work.push_back(work[x]);
-          continue;
-        }
-        splits.push_back({t.b, t.kvh, t.heads, parts_total, parts});
-        for (int64_t s = 0; s < parts; ++s) {
-          Task u = t;
-          u.j0 = t.j0 + s * target;
-          u.j1 = std::min(t.j1, u.j0 + target);
-          u.part = parts_total + s;
-          split_tasks.push_back(u);
-          split_work.push_back(work[x] / double(parts));
-        }
-        parts_total += parts;
-      }
-      if (parts_total > 0) {
-        const int64_t rows = plan.group * p.seq * plan.heads;
-        plan.part_stride = rows * plan.dim_pad + 2 * rows;
-        partial.resize(parts_total * plan.part_stride);
-        plan.partial = partial.data();
-        tasks.swap(split_tasks);
-        work.swap(split_work);
-      }
-    }
-  }
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  Schedule schedule =
+      make_schedule(plan, threads, parallel_work_setting().load(), min_split_setting().load());
+  std::vector<Task>& tasks = schedule.tasks;
+  std::vector<double>& work = schedule.work;
+  const bool parallel = schedule.parallel;
+  std::vector<float> partial(static_cast<size_t>(schedule.parts * plan.part_stride));
+  plan.partial = partial.data();
 
   if (!parallel || tasks.size() < 2) {
     Scratch scratch(plan);
@@ -503,8 +347,8 @@ void attend_typed(const AttendParams& p) {
       }
     });
   }
-  for (const Split& s : splits) merge_parts<T>(plan, s.b, s.kvh, s.heads, s.first_part, s.parts);
-  if (plan.ring) {
+  for (const Split& s : schedule.splits) merge_parts<T>(plan, s.b, s.kvh, s.heads, s.first_part, s.parts);
+  if (plan.layout == Layout::kRing) {
     const std::vector<char> bad = ring_missing(p);
     for (int64_t b = 0; b < p.batch; ++b) {
       for (int64_t i = 0; i < p.seq; ++i) {

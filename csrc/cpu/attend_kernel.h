@@ -22,7 +22,7 @@
 //   O = alpha O + P V  broadcast micro-kernel (R rows x 16 to 64 columns
 //                      of head_dim, values read in place).
 //
-// An int8 cache read with bf16/fp16 queries on AVX2/AVX-512 (Plan::i8dot)
+// An int8 cache read with bf16/fp16 queries on AVX2/AVX-512 (Plan::scores, Loops::kInt16)
 // runs both products on integers instead: qk_block_i8 and pv_block_i8.
 //
 // Only slots some query of the task may see are read: [kv_start, length)
@@ -201,7 +201,7 @@ class Trickle {
   int64_t total_ = 0, done_ = 0, row_ = 0, off_ = 0, per_ = 0;
 };
 
-// Decode scores on bf16 pairs (Plan::bf16qk: bf16 queries over a bf16
+// Decode scores on bf16 pairs (Loops::kBf16Pairs scores: bf16 queries over a bf16
 // cache on AVX512-BF16): S[r, c] = qscale * (q[r] . k[c]) with q the bf16
 // query rows as given and k bf16 keys read in place, 32 elements of both a
 // vdpbf16ps (Dot: Bf16DotAvx512), without widening either to float32:
@@ -700,7 +700,7 @@ void pv_block(const float* p, int64_t ldp, const TV* v, int64_t ldv,
   });
 }
 
-// ---- Decode weights on bf16 pairs (Plan::bf16pv) ------------------------
+// ---- Decode weights on bf16 pairs (Loops::kBf16Pairs weights) ------------------------
 //
 // O = alpha O + P V over bf16 values read in place, two slots a vdpbf16ps
 // (Dot: Bf16DotAvx512): each weight row is rounded to bf16 once per block
@@ -863,7 +863,7 @@ void widen_rows(const T* src, int64_t row_stride, int64_t elem_stride, int64_t n
   }
 }
 
-// ---- Chunks: both products as GEMM micro-kernels (Plan::gemm) ----------
+// ---- Chunks: both products as GEMM micro-kernels (Chunks::kFloat) --------
 //
 // A task with many query rows (a chunk: speculative verification, chunked
 // prefill) runs S = Q K^T in the broadcast form of a GEMM: the block's keys
@@ -1011,7 +1011,7 @@ inline void qk_gemm(const float* q, int64_t ldq, const float* kt, int64_t dim, i
   });
 }
 
-// As pv_block, for chunks (Plan::gemm): for_gemm_tiles over rows x
+// As pv_block, for chunks (Chunks::kFloat): for_gemm_tiles over rows x
 // head_dim; a strip of the block's values is kBlock x 2 vectors (4 KB).
 // dim: a multiple of Vec::kLanes.
 template <typename TV>
@@ -1204,19 +1204,19 @@ inline void scale_columns(float* S, int64_t ra, int64_t rb, int64_t n,
 }
 
 // Whether an int8 cache's in-place blocks take the integer loops
-// (qk_block_i8, pv_block_i8) on this ISA, when Plan::i8dot also holds.
+// (qk_block_i8, pv_block_i8) on this ISA, when the plan chose Loops::kInt16.
 template <typename TKV>
 constexpr bool kI8Dot = std::is_same_v<TKV, int8_t> && Vec::kI8Dot;
 
 // Whether a task of queries T over a cache TKV can take the bf16 pair loops
-// (block_pairs) on this ISA, when Plan::bf16dot also holds.
+// (block_pairs) on this ISA, when the plan chose Chunks::kBf16Pairs.
 template <typename T, typename TKV>
 constexpr bool kBf16Pairs =
     Vec::kBf16Dot && std::is_same_v<T, c10::BFloat16> && std::is_same_v<TKV, c10::BFloat16>;
 
 // A task's start, for linear and ring tasks alike: its queries (the G heads
 // of each KV head t.kvh + h at positions [t.i0, t.i1), rows h * R + ti * G + g)
-// scaled into sc.q where a block may read them (Plan::f32_queries; rounded
+// scaled into sc.q where a block may read them (Plan::f32_queries(); rounded
 // into sc.q16 for the integer loops), copied as given into sc.qh for the
 // bf16 pair loops, and the online-softmax state (output, running max,
 // running sum) reset.
@@ -1235,7 +1235,7 @@ inline void start_task(const Plan& plan, const Task& t, Scratch& sc) {
   };
   // Rows of unit element stride and whole vectors are widened by vectors.
   const bool vec_rows = p.q_stride[3] == 1 && D % Vec::kLanes == 0;
-  if (plan.f32_queries) {
+  if (plan.f32_queries()) {
     const typename Vec::V qs = Vec::set1(plan.qscale);
     for (int64_t r = 0; r < rows; ++r) {
       const T* src = query(r);
@@ -1248,10 +1248,10 @@ inline void start_task(const Plan& plan, const Task& t, Scratch& sc) {
     }
   }
   if constexpr (kI8Dot<TKV>) {
-    if (plan.i8dot) sc.q16_ok = round_queries_i16<typename Vec::I8>(plan, rows, sc);
+    if (plan.scores == Loops::kInt16) sc.q16_ok = round_queries_i16<typename Vec::I8>(plan, rows, sc);
   }
   if constexpr (kBf16Pairs<T, TKV>) {
-    if (plan.bf16dot || plan.bf16qk) {  // the bf16 queries as given (qk_pairs, qk_tile_bf16)
+    if (plan.bf16_queries()) {  // the bf16 queries as given (qk_pairs, qk_tile_bf16)
       for (int64_t r = 0; r < rows; ++r) {
         const T* src = query(r);
         c10::BFloat16* dst = sc.qh.data() + r * D;
@@ -1269,7 +1269,7 @@ inline void start_task(const Plan& plan, const Task& t, Scratch& sc) {
 }
 
 // S = Q K^T for the task's rows [ra, rb) over n keys read in place
-// (Plan::fast_k): the integer loops (when the task's queries were rounded
+// (Plan::keys_in_place()): the integer loops (when the task's queries were rounded
 // exactly: sc.q16_ok) or the bf16 pair loops where they apply, else the
 // float ones.
 template <typename T, typename TKV>
@@ -1277,14 +1277,14 @@ inline void score_in_place(const Plan& plan, Scratch& sc, int64_t ra, int64_t rb
                            int64_t ldk, int64_t n, const Ahead* ahead, int64_t col) {
   float* const S = sc.s.data() + ra * kBlock + col;
   if constexpr (kBf16Pairs<T, TKV>) {
-    if (plan.bf16qk) {
+    if (plan.scores == Loops::kBf16Pairs) {
       qk_block<typename Vec::Bf16>(sc.qh.data() + ra * plan.dim, plan.dim, k, ldk, plan.dim, rb - ra,
                                    n, S, kBlock, ahead, plan.qscale);
       return;
     }
   }
   if constexpr (kI8Dot<TKV>) {
-    if (plan.i8dot && sc.q16_ok) {
+    if (plan.scores == Loops::kInt16 && sc.q16_ok) {
       qk_block_i8<typename Vec::I8>(sc.q16.data() + ra * plan.dim, sc.qs.data() + ra, k, ldk,
                                     plan.dim, rb - ra, n, S, kBlock, ahead);
       return;
@@ -1295,7 +1295,7 @@ inline void score_in_place(const Plan& plan, Scratch& sc, int64_t ra, int64_t rb
 }
 
 // O = alpha O + P V for the task's rows [ra, rb) over n values read in place
-// (Plan::fast_v), the weights of block columns [col, col + n): the bf16 pair
+// (Plan::values_in_place()), the weights of block columns [col, col + n): the bf16 pair
 // loops or the integer loops (when the block's weights are finite) where
 // they apply, else the float ones. alpha: the rows' rescale (sc.alpha + ra
 // for a block's first run; nullptr, none, for the others).
@@ -1306,14 +1306,14 @@ inline void weigh_in_place(const Plan& plan, Scratch& sc, int64_t ra, int64_t rb
   const float* const P = sc.s.data() + ra * kBlock + col;
   float* const O = sc.o.data() + ra * plan.dim_pad;
   if constexpr (kBf16Pairs<T, TKV>) {
-    if (plan.bf16pv) {
+    if (plan.weights == Loops::kBf16Pairs) {
       pv_block_bf16<typename Vec::Bf16>(P, kBlock, v, ldv, n, O, plan.dim_pad, alpha, rb - ra, plan.dim,
                                         sc.pb.data() + ra * kBlock, ahead);
       return;
     }
   }
   if constexpr (kI8Dot<TKV>) {
-    if (plan.i8dot && pv_block_i8<typename Vec::I8>(P, kBlock, v, ldv, n, O, plan.dim_pad, alpha,
+    if (plan.weights == Loops::kInt16 && pv_block_i8<typename Vec::I8>(P, kBlock, v, ldv, n, O, plan.dim_pad, alpha,
                                                     rb - ra, plan.dim, sc.wq.data(),
                                                     sc.ws.data())) {
       return;
@@ -1324,11 +1324,17 @@ inline void weigh_in_place(const Plan& plan, Scratch& sc, int64_t ra, int64_t rb
 
 // The online softmax of a block's scores for the task's rows [ra, rb)
 // (head rows from h0: position (r - h0) / group), each over its visible
-// columns of [c0, c1).
+// columns of [c0, c1): [lo, hi) of its position, or a ring's marks (vis).
 inline void softmax_rows(const Plan& plan, Scratch& sc, int64_t h0, int64_t ra, int64_t rb,
                          int64_t c0, int64_t c1, int64_t n8) {
   for (int64_t r = ra; r < rb; ++r) {
     const int64_t ti = (r - h0) / plan.group;
+    if (plan.layout == Layout::kRing) {  // the slots the block's vis marks
+      const int64_t e = sc.seen_block[ti] > 0 ? c1 - c0 : 0;
+      softmax_row(sc.s.data() + r * kBlock, 0, e, n8, plan.cap, sc.m[r], sc.l[r], sc.alpha[r],
+                  sc.vis.data() + ti * kBlock);
+      continue;
+    }
     const int64_t a = std::clamp(sc.lo[ti], c0, c1) - c0;
     const int64_t e = std::clamp(sc.hi[ti], c0, c1) - c0;
     softmax_row(sc.s.data() + r * kBlock, a, e, n8, plan.cap, sc.m[r], sc.l[r], sc.alpha[r]);
@@ -1357,20 +1363,55 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
   int64_t* const lo = sc.lo.data();
   int64_t* const hi = sc.hi.data();
 
-  // Visible slots of each position, cut to the task's range; their union
-  // [task_lo, task_hi) is contiguous (both ends grow with the position).
+  // The task's slots [task_lo, task_hi) and which of them each query
+  // position sees. Linear and paged rows: the slots themselves; position
+  // ti sees [lo[ti], hi[ti]) (cut to the task's range), and their union is
+  // contiguous (both ends grow with the position). A ring: the task's
+  // visible slots of [j0, j1) (some query of the tile sees them: tile_sees)
+  // in slot order, read through SlotRows::sel; each block marks which of
+  // them each position sees (vis), since a ring's order of slots is not the
+  // order of positions. Empty or stale slots are never read, not even with
+  // weight 0 (0 * NaN is NaN). The order of the work depends only on which
+  // slots are visible (a position has one slot), so a ring that reached the
+  // same visible content by another route (a rollback after a wrap) gives
+  // bit-identical results.
+  const bool ring = plan.layout == Layout::kRing;
   int64_t task_lo = t.j1, task_hi = t.j0;
-  for (int64_t ti = 0; ti < nt; ++ti) {
-    const int64_t pos = len - p.seq_of(t.b) + t.i0 + ti;
-    int64_t a = first;
-    if (p.window > 0) a = std::max(a, pos - p.window + 1);
-    a = std::max(a, t.j0);
-    const int64_t e = std::min(pos + 1, t.j1);
-    lo[ti] = a;
-    hi[ti] = std::max(a, e);
-    if (a < e) {
-      task_lo = std::min(task_lo, a);
-      task_hi = std::max(task_hi, e);
+  int64_t p_lo = 0;  // rings: the tile's first query position
+  if (ring) {
+    p_lo = len - p.seq_of(t.b) + t.i0;
+    const int64_t p_hi = p_lo + nt - 1;
+    const int32_t* pos = p.positions + t.b * p.pos_stride[0];
+    int64_t n_sel = 0;
+    for (int64_t j = t.j0; j < t.j1; ++j) {
+      const int64_t q = pos[j * p.pos_stride[1]];
+      if (q >= 0 && detail::tile_sees(q, p_lo, p_hi, first, p.window, p.sinks)) {
+        sc.sel[n_sel] = j;
+        sc.sel_pos[n_sel] = q;
+        ++n_sel;
+      }
+    }
+    for (int64_t c = n_sel - 1; c >= 0; --c) {
+      sc.sel_run[c] = c + 1 < n_sel && sc.sel[c + 1] == sc.sel[c] + 1 ? sc.sel_run[c + 1] + 1 : 1;
+    }
+    task_lo = 0;
+    task_hi = n_sel;
+    std::fill(lo, lo + nt, int64_t{0});
+    std::fill(hi, hi + nt, n_sel);
+    std::fill(sc.seen.data(), sc.seen.data() + nt, int64_t{0});
+  } else {
+    for (int64_t ti = 0; ti < nt; ++ti) {
+      const int64_t pos = len - p.seq_of(t.b) + t.i0 + ti;
+      int64_t a = first;
+      if (p.window > 0) a = std::max(a, pos - p.window + 1);
+      a = std::max(a, t.j0);
+      const int64_t e = std::min(pos + 1, t.j1);
+      lo[ti] = a;
+      hi[ti] = std::max(a, e);
+      if (a < e) {
+        task_lo = std::min(task_lo, a);
+        task_hi = std::max(task_hi, e);
+      }
     }
   }
 
@@ -1378,23 +1419,29 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
 
   // The row's keys, values and scales, wherever the layout keeps them (of
   // KV head t.kvh; head t.kvh + h is h head strides further in each slot).
-  const SlotRows<TKV> K = slot_rows(p, static_cast<const TKV*>(p.k), p.k_stride, t.b, t.kvh);
-  const SlotRows<TKV> V = slot_rows(p, static_cast<const TKV*>(p.v), p.v_stride, t.b, t.kvh);
+  SlotRows<TKV> K = slot_rows(p, static_cast<const TKV*>(p.k), p.k_stride, t.b, t.kvh);
+  SlotRows<TKV> V = slot_rows(p, static_cast<const TKV*>(p.v), p.v_stride, t.b, t.kvh);
   SlotRows<float> KS, VS;
   if constexpr (kQuantized) {
     KS = slot_rows(p, p.k_scale, p.ks_stride, t.b, t.kvh);
     VS = slot_rows(p, p.v_scale, p.vs_stride, t.b, t.kvh);
+  }
+  if (ring) {
+    K.select(sc.sel.data(), sc.sel_run.data());
+    V.select(sc.sel.data(), sc.sel_run.data());
+    KS.select(sc.sel.data(), sc.sel_run.data());
+    VS.select(sc.sel.data(), sc.sel_run.data());
   }
   // A block: at most kBlock slots. In a task whose blocks may take the
   // GEMM loops (enough rows), consecutive in memory (cut at page ends);
   // otherwise it may span pages, and its scores and weights go run by run
   // (the consecutive slots of one page) while the softmax and the output
   // update stay once a block: small pages cost no more rescales than big ones.
-  const bool one_run = plan.gemm && rows >= plan.gemm_rows;
+  const bool one_run = plan.chunks != Chunks::kNone && rows >= plan.gemm_rows;
   auto block_end = [&](int64_t c0) {
     return c0 + std::min({kBlock, task_hi - c0, one_run ? K.run(c0) : kBlock});
   };
-  if (plan.fast_v && task_lo < task_hi) {  // the first run's values, read after its scores
+  if (plan.values_in_place() && task_lo < task_hi) {  // the first run's values, read after its scores
     for (int64_t h = 0; h < t.heads; ++h) {
       prefetch_rows(reinterpret_cast<const char*>(V.at(task_lo) + h * p.v_stride[1]),
                     V.ld * int64_t(sizeof(TKV)), 0,
@@ -1411,7 +1458,7 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
   // spread them over their tiles).
   auto run_ahead = [&](int64_t h, int64_t j, int64_t je, int64_t c1, int64_t cend) {
     Ahead a;
-    if (!(plan.fast_k && plan.fast_v)) return a;
+    if (!(plan.keys_in_place() && plan.values_in_place())) return a;
     a = streams;
     a.v_cur = reinterpret_cast<const char*>(V.at(j) + h * p.v_stride[1]);
     const int64_t next = je < c1 ? je : cend < task_hi ? cend : -1;
@@ -1437,6 +1484,18 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
     if (ta >= tb) continue;
     const int64_t n = c1 - c0;
     const int64_t n8 = (n + Vec::kLanes - 1) / Vec::kLanes * Vec::kLanes;
+    if (ring) {  // which of the block's slots each position sees
+      for (int64_t ti = 0; ti < nt; ++ti) {
+        unsigned char* v = sc.vis.data() + ti * kBlock;
+        int64_t count = 0;
+        for (int64_t j = 0; j < n; ++j) {
+          v[j] = detail::sees(sc.sel_pos[c0 + j], p_lo + ti, first, p.window, p.sinks) ? 1 : 0;
+          count += v[j];
+        }
+        sc.seen_block[ti] = count;
+        sc.seen[ti] += count;
+      }
+    }
     // Runs of consecutive slots in [c0, c1): [j, run_end(j)).
     auto run_end = [&](int64_t j) { return j + std::min(c1 - j, K.run(j)); };
 
@@ -1447,14 +1506,14 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
       const int64_t hk = h * p.k_stride[1], hv = h * p.v_stride[1];
       // A chunk's block (one run): GEMM micro-kernels over packed keys (and
       // widened values) shared by all its rows.
-      const bool gemm = plan.gemm && rb - ra >= plan.gemm_rows;
+      const bool gemm = plan.chunks != Chunks::kNone && rb - ra >= plan.gemm_rows;
       if (gemm) {
         const Ahead ahead = run_ahead(h, c0, c1, c1, cend);
         const TKV* const kc = K.at(c0) + hk;
         const TKV* const vc = V.at(c0) + hv;
         Trickle pf(ahead);  // the next block's lines, over this block's tiles
         // bf16 chunks on AVX512-BF16: both products on bf16 pairs.
-        const bool pairs = kBf16Pairs<T, TKV> && plan.bf16dot;
+        const bool pairs = kBf16Pairs<T, TKV> && plan.chunks == Chunks::kBf16Pairs;
         if (pairs) {
           if constexpr (kBf16Pairs<T, TKV>) {
             pf.spread_over(gemm_tiles(rb - ra, n8) + gemm_tiles(rb - ra, D));
@@ -1477,7 +1536,7 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
                                          rb - ra, D, O + ra * Dp, Dp, alpha + ra, sc.pb.data(),
                                          reinterpret_cast<uint32_t*>(sc.vb.data()), pf);
           }
-        } else if (std::is_same_v<TKV, float> && plan.fast_v) {
+        } else if (std::is_same_v<TKV, float> && plan.values_in_place()) {
           pv_block_gemm(S + ra * kBlock, kBlock, vc, V.ld, n,
                         O + ra * Dp, Dp, alpha + ra, rb - ra, D, pf);
         } else {
@@ -1492,17 +1551,17 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
       // scratch rows and scored once.
       for (int64_t j = c0, je; j < c1; j = je) {
         je = run_end(j);
-        if (plan.fast_k) {
+        if (plan.keys_in_place()) {
           const Ahead ahead = run_ahead(h, j, je, c1, cend);
           score_in_place<T>(plan, sc, ra, rb, K.at(j) + hk, K.ld, je - j, &ahead, j - c0);
         } else {
           pack_rows(K.at(j) + hk, K.ld, p.k_stride[3], je - j, D, Dp, sc.kb.data() + (j - c0) * Dp);
         }
         if constexpr (kQuantized) {
-          if (plan.fast_k) scale_columns(S + (j - c0), ra, rb, je - j, KS.at(j) + h * p.ks_stride[1], KS.ld);
+          if (plan.keys_in_place()) scale_columns(S + (j - c0), ra, rb, je - j, KS.at(j) + h * p.ks_stride[1], KS.ld);
         }
       }
-      if (!plan.fast_k) {
+      if (!plan.keys_in_place()) {
         qk_block(Q + ra * Dp, Dp, static_cast<const float*>(sc.kb.data()), Dp, Dp, rb - ra, n,
                  S + ra * kBlock, kBlock, nullptr);
         if constexpr (kQuantized) {
@@ -1518,7 +1577,7 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
         if constexpr (kQuantized) {
           scale_columns(S + (j - c0), ra, rb, je - j, VS.at(j) + h * p.vs_stride[1], VS.ld);
         }
-        if (plan.fast_v) {
+        if (plan.values_in_place()) {
           const Ahead ahead = run_ahead(h, j, je, c1, cend);
           weigh_in_place<T>(plan, sc, ra, rb, V.at(j) + hv, V.ld, je - j, &ahead, j - c0,
                             j == c0 ? alpha + ra : nullptr);
@@ -1526,7 +1585,7 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
           pack_rows(V.at(j) + hv, V.ld, p.v_stride[3], je - j, D, Dp, sc.vb.data() + (j - c0) * Dp);
         }
       }
-      if (!plan.fast_v) {
+      if (!plan.values_in_place()) {
         pv_block(S + ra * kBlock, kBlock, static_cast<const float*>(sc.vb.data()), Dp, n,
                  O + ra * Dp, Dp, alpha + ra, rb - ra, Dp);
       }
@@ -1546,171 +1605,11 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
   for (int64_t r = 0; r < all_rows; ++r) {
     const int64_t h = r / rows, ti = (r % rows) / G, g = r % G;
     const int64_t head = (t.kvh + h) * G + g;
-    // A query that sees no slot (left padding) gets zeros.
-    const float inv = lo[ti] < hi[ti] ? 1.f / with_sink(p, head, m[r], l[r]) : 0.f;
+    // A query that sees no slot (left padding, an empty ring) gets zeros.
+    const bool saw = ring ? sc.seen[ti] > 0 : lo[ti] < hi[ti];
+    const float inv = saw ? 1.f / with_sink(p, head, m[r], l[r]) : 0.f;
     T* dst = obase + head * p.out_stride[1] + (t.i0 + ti) * p.out_stride[2];
     const float* src = O + r * Dp;
     for (int64_t d = 0; d < D; ++d) dst[d * p.out_stride[3]] = static_cast<T>(src[d] * inv);
-  }
-}
-
-// A task over a ring (AttendParams::positions): the slots of [j0, j1) that
-// some query of the tile sees (tile_sees) are selected in slot order and
-// processed by blocks of kBlock selected slots: a block of consecutive
-// slots is read in place, any other is gathered and widened to float32
-// (pack_rows). Empty or stale slots are never read, not even with weight 0
-// (0 * NaN is NaN). Each query then masks the gathered slots it does not see (sees).
-// The order of the work depends only on which slots are visible, so a ring
-// that reached the same visible content by another route (a rollback after
-// a wrap) gives bit-identical results. A quantized ring (TKV int8_t or
-// Float8_e4m3fn) is dequantized row by row into the same block scratch: the
-// slot's scale multiplies its widened row, so scratch stays one block.
-template <typename T, typename TKV = T>
-void run_task_ring(const Plan& plan, const Task& t, Scratch& sc) {
-  constexpr bool kQuantized =
-      std::is_same_v<TKV, int8_t> || std::is_same_v<TKV, c10::Float8_e4m3fn>;
-  const AttendParams& p = *plan.p;
-  const int64_t G = plan.group, D = plan.dim, Dp = plan.dim_pad;
-  const int64_t nt = t.i1 - t.i0;
-  const int64_t rows = G * nt;
-  const int64_t len = p.host_lengths[t.b];
-  const int64_t first = p.host_kv_start ? p.host_kv_start[t.b] : 0;
-  const int64_t seq = p.seq_of(t.b);
-  const int64_t p_lo = len - seq + t.i0, p_hi = len - seq + t.i1 - 1;
-  float* const Q = sc.q.data();
-  float* const O = sc.o.data();
-  float* const S = sc.s.data();
-  float* const m = sc.m.data();
-  float* const l = sc.l.data();
-  float* const alpha = sc.alpha.data();
-  int64_t* const seen = sc.lo.data();  // visible slots per query position
-  unsigned char* const vis = sc.vis.data();
-
-  const int32_t* pos = p.positions + t.b * p.pos_stride[0];
-  int64_t n_sel = 0;
-  for (int64_t j = t.j0; j < t.j1; ++j) {
-    const int64_t q = pos[j * p.pos_stride[1]];
-    if (q >= 0 && detail::tile_sees(q, p_lo, p_hi, first, p.window, p.sinks)) {
-      sc.sel[n_sel] = j;
-      sc.sel_pos[n_sel] = q;
-      ++n_sel;
-    }
-  }
-
-  start_task<T, TKV>(plan, t, sc);
-  std::fill(seen, seen + nt, int64_t{0});
-
-  const TKV* kbase = static_cast<const TKV*>(p.k) + t.b * p.k_stride[0] + t.kvh * p.k_stride[1];
-  const TKV* vbase = static_cast<const TKV*>(p.v) + t.b * p.v_stride[0] + t.kvh * p.v_stride[1];
-  const float* kscale = nullptr;
-  const float* vscale = nullptr;
-  if constexpr (kQuantized) {
-    kscale = p.k_scale + t.b * p.ks_stride[0] + t.kvh * p.ks_stride[1];
-    vscale = p.v_scale + t.b * p.vs_stride[0] + t.kvh * p.vs_stride[1];
-  }
-  float* const kb = sc.kb.data();
-  float* const vb = sc.vb.data();
-  // A block of gathered slots that are consecutive slots (a ring's visible
-  // slots are at most two runs plus the sinks, so all blocks but two or
-  // three) is read in place like a linear block; the others are gathered.
-  // In-place and gathered reads widen to the same floats and run the same
-  // loops (fast_k implies dim == dim_pad), so for a float cache the result
-  // does not depend on which blocks were consecutive. A quantized run takes
-  // its scales on the scores and weights (as run_task), a gathered block on
-  // the widened rows: the same values up to rounding. Which blocks are runs
-  // depends only on which slots are visible (a position has one slot), so a
-  // rollback after a wrap stays bit-identical.
-  auto run_of = [&](int64_t c0, int64_t n) {
-    return sc.sel[c0 + n - 1] - sc.sel[c0] == n - 1;
-  };
-  // Selected slots [c0, c0 + n) of a cache buffer (keys or values, element
-  // strides `stride`) widened to float32 rows dim_pad apart in dst, each
-  // times its slot's scale for a quantized ring.
-  auto gather = [&](int64_t c0, int64_t n, const TKV* base, const int64_t* stride,
-                    const float* scale, int64_t scale_stride, float* dst) {
-    for (int64_t j = 0; j < n; ++j) {
-      pack_rows(base + sc.sel[c0 + j] * stride[2], 0, stride[3], 1, D, Dp, dst + j * Dp);
-      if constexpr (kQuantized) {
-        const float f = scale[sc.sel[c0 + j] * scale_stride];
-        for (int64_t d = 0; d < D; ++d) dst[j * Dp + d] *= f;
-      }
-    }
-  };
-  const Ahead streams = stream_geometry<TKV>(p, D, n_sel);
-  for (int64_t c0 = 0; c0 < n_sel; c0 += kBlock) {
-    const int64_t n = std::min(kBlock, n_sel - c0);
-    const int64_t n8 = (n + Vec::kLanes - 1) / Vec::kLanes * Vec::kLanes;
-    const bool run = run_of(c0, n);
-    Ahead ahead;  // the streams of a run read in place, and the next block's rows if a run
-    if (run && plan.fast_k && plan.fast_v) {
-      ahead = streams;
-      ahead.v_cur = reinterpret_cast<const char*>(vbase + sc.sel[c0] * p.v_stride[2]);
-      const int64_t c_next = c0 + n;
-      if (c_next < n_sel) {
-        const int64_t n_next = std::min(kBlock, n_sel - c_next);
-        if (run_of(c_next, n_next)) {
-          ahead.k = reinterpret_cast<const char*>(kbase + sc.sel[c_next] * p.k_stride[2]);
-          ahead.v = reinterpret_cast<const char*>(vbase + sc.sel[c_next] * p.v_stride[2]);
-          ahead.rows = n_next;
-        }
-      }
-    }
-    if (run && plan.fast_k) {
-      score_in_place<T>(plan, sc, 0, rows, kbase + sc.sel[c0] * p.k_stride[2], p.k_stride[2], n,
-                        &ahead, 0);
-      // A quantized run: the key scales on the scores, as in run_task.
-      if constexpr (kQuantized) {
-        scale_columns(S, 0, rows, n, kscale + sc.sel[c0] * p.ks_stride[2], p.ks_stride[2]);
-      }
-    } else {
-      gather(c0, n, kbase, p.k_stride, kscale, p.ks_stride[2], kb);
-      qk_block(Q, Dp, static_cast<const float*>(kb), Dp, Dp, rows, n, S, kBlock, nullptr);
-    }
-    for (int64_t ti = 0; ti < nt; ++ti) {
-      const int64_t qp = p_lo + ti;
-      int64_t count = 0;
-      for (int64_t j = 0; j < n; ++j) {
-        vis[ti * kBlock + j] =
-            detail::sees(sc.sel_pos[c0 + j], qp, first, p.window, p.sinks) ? 1 : 0;
-        count += vis[ti * kBlock + j];
-      }
-      seen[ti] += count;
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t r = ti * G + g;
-        softmax_row(S + r * kBlock, 0, count > 0 ? n : 0, n8, plan.cap, m[r], l[r], alpha[r],
-                    vis + ti * kBlock);
-      }
-    }
-    if (run && plan.fast_v) {
-      // A quantized run: the value scales on the weights (after the sums).
-      if constexpr (kQuantized) {
-        scale_columns(S, 0, rows, n, vscale + sc.sel[c0] * p.vs_stride[2], p.vs_stride[2]);
-      }
-      weigh_in_place<T>(plan, sc, 0, rows, vbase + sc.sel[c0] * p.v_stride[2], p.v_stride[2], n, &ahead,
-                        0, alpha);
-    } else {
-      gather(c0, n, vbase, p.v_stride, vscale, p.vs_stride[2], vb);
-      pv_block(S, kBlock, static_cast<const float*>(vb), Dp, n, O, Dp, alpha, rows, Dp);
-    }
-  }
-
-  if (t.part >= 0) {  // a split of the row: keep the unnormalized state
-    float* part = plan.partial + t.part * plan.part_stride;
-    std::copy(O, O + rows * Dp, part);
-    std::copy(m, m + rows, part + rows * Dp);
-    std::copy(l, l + rows, part + rows * Dp + rows);
-    return;
-  }
-  T* obase = static_cast<T*>(p.out) + t.b * p.out_stride[0] +
-              p.first_token(t.b) * p.out_stride[2];
-  for (int64_t ti = 0; ti < nt; ++ti) {
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = ti * G + g;
-      // Sees nothing: zeros.
-      const float inv = seen[ti] > 0 ? 1.f / with_sink(p, t.kvh * G + g, m[r], l[r]) : 0.f;
-      T* dst = obase + (t.kvh * G + g) * p.out_stride[1] + (t.i0 + ti) * p.out_stride[2];
-      const float* src = O + r * Dp;
-      for (int64_t d = 0; d < D; ++d) dst[d * p.out_stride[3]] = static_cast<T>(src[d] * inv);
-    }
   }
 }

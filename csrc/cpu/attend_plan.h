@@ -21,7 +21,7 @@ using detail::AttendParams;
 // Cached slots per block: one block's scores (rows x kBlock floats) and its
 // keys/values stay in L1/L2 while a block is processed.
 constexpr int64_t kBlock = 64;
-// A chunk's block takes the GEMM loops (Plan::gemm) when at least this many
+// A chunk's block takes the GEMM loops (Plan::chunks) when at least this many
 // query rows of its task see it: below, packing the keys costs more than the
 // micro-kernels save (measured: benchmarks/bench_attend.py --cases gemmrows).
 constexpr int64_t kDefaultGemmRows = 32;
@@ -37,44 +37,51 @@ inline float with_sink(const AttendParams& p, int64_t h, float m, float l) {
   return l + std::exp2(p.sink_logits[h * p.sink_stride] * kLog2e - m);
 }
 
+// The instruction-set paths of the kernel (attend.cpp picks the best this
+// CPU runs, capped by KVCACHE_ATTEND_ISA).
+enum class Isa { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3, kAvx512Bf16 = 4 };
+// Floats per vector on a path: 8, or 16 on the AVX-512 paths.
+int isa_lanes(Isa i);
+
+// The plan's run-time choices, each named by what it chooses (see Plan).
+enum class Layout : uint8_t { kRows, kPages, kRing };
+enum class Loops : uint8_t { kWidened, kFloat, kInt16, kBf16Pairs };
+enum class Chunks : uint8_t { kNone, kFloat, kBf16Pairs };
+
 struct Plan {
   const AttendParams* p = nullptr;
   int64_t group = 1;   // query heads per KV head
   int64_t dim = 0;     // head_dim
   int64_t dim_pad = 0; // head_dim rounded up to the ISA's lanes, 8 or 16 (zero-padded in scratch)
   int64_t tile = 1;    // query positions per task
-  bool fast_k = false; // keys read in place (unit element stride, dim % lanes == 0)
-  bool fast_v = false;
-  bool ring = false;   // p->positions: slots read by position (run_task_ring)
-  // An int8 cache read with bf16 or fp16 queries, keys read in place,
-  // head_dim a multiple of 16 and at most 256: scores and weighted values by
-  // integer dot products (qk_block_i8, pv_block_i8: queries and weights
-  // rounded to int16) where the ISA has them (Vec::kI8Dot).
-  bool i8dot = false;
-  // Chunks (attend_kernel.h, "Chunks"): a linear task's blocks seen by at
-  // least gemm_rows query rows run GEMM micro-kernels over keys packed
-  // and transposed once per block. head_dim a multiple of 8 (the packing's
-  // 8 x 8 tiles); not with the integer loops, not for rings.
-  bool gemm = false;
+  // Where a task's slots come from (SlotRows): the row's slots in order
+  // (kRows), pages through a block table (kPages: AttendParams::block_table),
+  // or a ring's slots by recorded position (kRing: AttendParams::positions;
+  // the task's visible slots in slot order, a mask per block).
+  Layout layout = Layout::kRows;
+  // The loops of a block's scores (S = Q K^T) and of its weighted values
+  // (O = alpha O + P V), below gemm_rows query rows (Loops):
+  //   kWidened:   rows widened to float32 scratch first (element stride not
+  //               1, or head_dim not a whole number of vectors);
+  //   kFloat:     float loops over the rows read in place;
+  //   kInt16:     an int8 cache read with bf16 or fp16 queries, head_dim a
+  //               multiple of 16 and at most 256, where the ISA has integer
+  //               dot products (Vec::kI8Dot): queries and weights rounded to
+  //               int16 (qk_block_i8, pv_block_i8);
+  //   kBf16Pairs: bf16 queries over a bf16 cache on AVX512-BF16, head_dim a
+  //               multiple of 32: bf16 pair dot products (qk_tile_bf16,
+  //               pv_block_bf16; the weights rounded to bf16 once a block).
+  Loops scores = Loops::kWidened;
+  Loops weights = Loops::kWidened;
+  // Chunks (attend_kernel.h, "Chunks"): blocks seen by at least gemm_rows
+  // query rows run GEMM micro-kernels over keys packed and transposed once
+  // per block (kFloat; head_dim a multiple of 8, the packing's 8 x 8 tiles;
+  // not with the integer loops), on AVX512-BF16 for bf16 queries and cache
+  // with keys and values read in place and key rows an even number of
+  // elements apart on bf16 pairs (kBf16Pairs, "Chunks on bf16 pairs").
+  // kNone: no block takes them.
+  Chunks chunks = Chunks::kNone;
   int64_t gemm_rows = kDefaultGemmRows;  // the setting (kvcache/attend_cpu.h)
-  // Chunks of bf16 queries over a bf16 cache on AVX512-BF16 (the avx512bf16
-  // path): the gemm blocks take bf16 pair dot products (attend_kernel.h,
-  // "Chunks on bf16 pairs"). Keys and values read in place, key rows an
-  // even number of elements apart.
-  bool bf16dot = false;
-  // Decode and short-chunk blocks of bf16 queries over a bf16 cache on
-  // AVX512-BF16 (the blocks that do not take the GEMM loops): scores by
-  // bf16 pair dot products over keys read in place (qk_tile_bf16); the
-  // weights stay float32. head_dim a multiple of 32.
-  bool bf16qk = false;
-  // Plan::bf16qk blocks whose values are read in place too (Plan::fast_v):
-  // the weight pass on bf16 pairs as well (pv_block_bf16), the weights
-  // rounded to bf16 once per block.
-  bool bf16pv = false;
-  // Whether any block reads the task's float32 scaled queries (sc.q): all
-  // but linear bf16 tasks whose every block takes the bf16 pair loops (the
-  // scores of those read the bf16 queries as given, sc.qh).
-  bool f32_queries = true;
   // Scores in log2 units: q is scaled by scale * log2(e); with a softcap,
   // by scale / softcap, and the score becomes cap * tanh(q.k) with
   // cap = softcap * log2(e).
@@ -96,6 +103,16 @@ struct Plan {
   int64_t heads = 1;
 
   int64_t max_rows() const { return group * tile; }
+  bool keys_in_place() const { return scores != Loops::kWidened; }
+  bool values_in_place() const { return weights != Loops::kWidened; }
+  // Whether a block may read the task's float32 scaled queries (sc.q): all
+  // but bf16 tasks whose every block takes the bf16 pair loops (those score
+  // on the bf16 queries as given, sc.qh).
+  bool f32_queries() const {
+    return !(scores == Loops::kBf16Pairs && (chunks == Chunks::kNone || chunks == Chunks::kBf16Pairs));
+  }
+  // Whether the task's queries are copied as given (bf16) / rounded to int16.
+  bool bf16_queries() const { return scores == Loops::kBf16Pairs || chunks == Chunks::kBf16Pairs; }
   // Query rows a task's scratch holds: a tile of one head or a grouped
   // task's rows over all its heads.
   int64_t scratch_rows() const { return heads > 1 ? std::max(max_rows(), kGroupedRows) : max_rows(); }
@@ -106,16 +123,22 @@ struct Plan {
 // their scales) live: the kernel asks for the address of slot j and for how
 // many slots from j on are consecutive rows `ld` elements apart, the most a
 // block may read in place. A linear cache is one run; a paged cache
-// (AttendParams::block_table) is runs of block_size slots, one per page. A
-// new layout is a new way to answer these two questions.
+// (AttendParams::block_table) is runs of block_size slots, one per page; a
+// ring (AttendParams::positions) is the task's selected slots (Task slots
+// j are its j-th visible slot in slot order, `sel`), runs where they are
+// consecutive. A new layout is a new way to answer these two questions.
 template <typename E>
 struct SlotRows {
-  const E* base = nullptr;           // linear: the row's slot 0; paged: page 0's
+  const E* base = nullptr;           // linear, ring: the row's slot 0; paged: page 0's
   int64_t ld = 0;                    // elements between consecutive slots
   const int32_t* table = nullptr;    // paged: the row's block table; nullptr: linear
   int64_t table_stride = 0;
   int64_t page_stride = 0;           // elements between pages
   int64_t block_size = 1;
+  // Ring: slot j of the task is slot sel[j] of the row, and sel[j + i] ==
+  // sel[j] + i for i < sel_run[j]. nullptr: slot j is slot j.
+  const int64_t* sel = nullptr;
+  const int64_t* sel_run = nullptr;
   // log2(block_size) when it is a power of two (every page size in use), else -1: the page and
   // offset of a slot by shift and mask instead of two integer divisions, which the kernel's
   // per-run bookkeeping otherwise paid tens of times per block.
@@ -124,11 +147,19 @@ struct SlotRows {
   int64_t page_of(int64_t j) const { return shift >= 0 ? j >> shift : j / block_size; }
   int64_t offset_of(int64_t j) const { return shift >= 0 ? j & (block_size - 1) : j % block_size; }
   const E* at(int64_t j) const {
+    if (sel != nullptr) return base + sel[j] * ld;
     if (table == nullptr) return base + j * ld;
     return base + int64_t(table[page_of(j) * table_stride]) * page_stride + offset_of(j) * ld;
   }
   int64_t run(int64_t j) const {
+    if (sel != nullptr) return sel_run[j];
     return table == nullptr ? std::numeric_limits<int64_t>::max() : block_size - offset_of(j);
+  }
+  // Reads slots through a ring task's selection (see sel).
+  SlotRows& select(const int64_t* s, const int64_t* runs) {
+    sel = s;
+    sel_run = runs;
+    return *this;
   }
 };
 
@@ -168,22 +199,25 @@ struct Task {
 // padding columns of q and the packed keys/values stay 0).
 struct Scratch {
   std::vector<float> q, o, s, kb, vb, m, l, alpha;
-  // Plan::gemm: a block's keys packed and transposed (dim_pad x kBlock).
+  // Plan::chunks: a block's keys packed and transposed (dim_pad x kBlock).
   std::vector<float> kt;
   std::vector<int64_t> lo, hi;
   // Rings: the gathered slots of a task and their positions, and the
   // per-(position, slot) visibility of a block.
-  std::vector<int64_t> sel, sel_pos;
+  std::vector<int64_t> sel, sel_pos, sel_run;
   std::vector<unsigned char> vis;
-  // Plan::i8dot: the query rows rounded to int16 (rows x dim) and their
+  // Visible slots each query position saw so far (rings), and in the
+  // current block.
+  std::vector<int64_t> seen, seen_block;
+  // Loops::kInt16: the query rows rounded to int16 (rows x dim) and their
   // scales; a block's weights rounded to int16 (rows x (kBlock + 2)) and theirs.
   std::vector<int16_t> q16, wq;
   std::vector<float> qs, ws;
   // Whether the current task's q16 holds every query row exactly
   // (round_queries_i16): else its scores take the float loops on q.
   bool q16_ok = false;
-  // Plan::bf16dot or bf16qk: the bf16 query rows (rows x dim); bf16dot or
-  // bf16pv: a block's weights rounded to bf16 (rows x kBlock).
+  // Plan::bf16_queries(): the bf16 query rows (rows x dim); bf16 pair
+  // chunks or weights: a block's weights rounded to bf16 (rows x kBlock).
   std::vector<c10::BFloat16> qh, pb;
 
   explicit Scratch(const Plan& plan) {
@@ -191,22 +225,26 @@ struct Scratch {
     q.assign(rows * plan.dim_pad, 0.f);
     o.assign(rows * plan.dim_pad, 0.f);
     s.assign(rows * kBlock, 0.f);
-    if (!plan.fast_k || plan.ring || plan.gemm) kb.assign(kBlock * plan.dim_pad, 0.f);
-    if (!plan.fast_v || plan.ring || plan.gemm) vb.assign(kBlock * plan.dim_pad, 0.f);
-    if (plan.gemm) kt.assign(plan.dim_pad * kBlock, 0.f);
-    if (plan.ring) {
+    const bool chunks = plan.chunks != Chunks::kNone;
+    if (!plan.keys_in_place() || chunks) kb.assign(kBlock * plan.dim_pad, 0.f);
+    if (!plan.values_in_place() || chunks) vb.assign(kBlock * plan.dim_pad, 0.f);
+    if (chunks) kt.assign(plan.dim_pad * kBlock, 0.f);
+    if (plan.layout == Layout::kRing) {
       sel.assign(plan.p->max_len, 0);
       sel_pos.assign(plan.p->max_len, 0);
+      sel_run.assign(plan.p->max_len, 0);
       vis.assign(plan.tile * kBlock, 0);
+      seen.assign(plan.tile, 0);
+      seen_block.assign(plan.tile, 0);
     }
-    if (plan.i8dot) {
+    if (plan.scores == Loops::kInt16 || plan.weights == Loops::kInt16) {
       q16.assign(rows * plan.dim, 0);
       qs.assign(rows, 0.f);
       wq.assign(rows * (kBlock + 2), 0);
       ws.assign(rows, 0.f);
     }
-    if (plan.bf16dot || plan.bf16qk) qh.assign(rows * plan.dim, c10::BFloat16(0.f));
-    if (plan.bf16dot || plan.bf16pv) pb.assign(rows * kBlock, c10::BFloat16(0.f));
+    if (plan.bf16_queries()) qh.assign(rows * plan.dim, c10::BFloat16(0.f));
+    if (plan.chunks == Chunks::kBf16Pairs || plan.weights == Loops::kBf16Pairs) pb.assign(rows * kBlock, c10::BFloat16(0.f));
     m.assign(rows, 0.f);
     l.assign(rows, 0.f);
     alpha.assign(rows, 0.f);
@@ -214,6 +252,41 @@ struct Scratch {
     hi.assign(plan.tile, 0);
   }
 };
+
+// The plan of one attend call: a pure function of its shapes, strides,
+// dtypes and layout (p), the ISA path and the gemm_rows setting
+// (AttendCpuTuning). Plan::p points at p.
+Plan make_plan(const AttendParams& p, Isa path, int64_t gemm_rows);
+
+// Rows [first_part, first_part + parts) of Plan::partial hold the splits of
+// (row b, KV heads [kvh, kvh + heads)), merged after the tasks ran.
+struct Split {
+  int64_t b, kvh, heads, first_part, parts;
+};
+
+// The tasks of a call and their estimated work (work_of); splits of long
+// rows when there are too few tasks for the threads, and the number of
+// partial results they need (Plan::part_stride floats each); whether the
+// call is worth helper threads.
+struct Schedule {
+  std::vector<Task> tasks;
+  std::vector<double> work;
+  std::vector<Split> splits;
+  int64_t parts = 0;
+  bool parallel = false;
+};
+
+// The estimated cost of a task, in units of about 1/4 ns: two passes of
+// rows x slots x head_dim multiply-adds (8 per vector op, about 2 vector ops
+// a cycle), plus reading each slot's key and value (streamed from memory
+// for long rows).
+double work_of(const Plan& plan, int64_t rows, int64_t slots, int64_t elem_bytes);
+
+// The schedule of a planned call (sets plan.part_stride when it splits):
+// a pure function of the plan, the host lengths in *plan.p, the threads the
+// call may use (1 inside a parallel region) and the settings parallel_work
+// and min_split (AttendCpuTuning).
+Schedule make_schedule(Plan& plan, int64_t threads, double parallel_work, int64_t min_split);
 
 }  // namespace attend_cpu
 }  // namespace kvcache

@@ -499,9 +499,16 @@ if given is not None:
             assert_bytes_equal(got, exp)
         q = torch.randn(b, 2 * h, 1, d, generator=g)
         res = kvcache.attend(q, out)
-        ref = reference(q, dequantize(c.keys, c.k_scale), dequantize(c.values, c.v_scale), out.length)
+        keys = dequantize(c.keys, c.k_scale)
+        ref = reference(q, keys, dequantize(c.values, c.v_scale), out.length)
         scale = ref.abs().max().item() + 1e-30
-        assert (res.double() - ref).abs().max().item() <= 1e-4 * scale
+        # float32 scores carry an absolute error of a few ulps of their magnitude, which the
+        # softmax turns into that relative error of the weights: at magnitude 1e4 scores reach
+        # ~2e4, so 1e-3 of the output's scale (seen: 2e-4 with fp8 keys, old and new kernels).
+        kk = keys.double().repeat_interleave(2, dim=1)
+        filled = (torch.arange(t) < out.length.view(-1, 1)).view(b, 1, 1, t)  # unfilled: random bytes
+        score = ((q.double() @ kk.transpose(-1, -2)) / d**0.5).where(filled, 0.0).abs().max().item()
+        assert (res.double() - ref).abs().max().item() <= (1e-4 + 4 * 2**-24 * score) * scale
 
 
 # ------------------------------------------------------- transformers ---

@@ -95,8 +95,8 @@ def run_ring(window, sinks, dtype, *, max_step=8, batch=4, kv_heads=1, heads=2, 
         assert not out.isnan().any(), f"NaN at chunk {chunk}"
         if sinks == 0 and linear is not None:
             # The linear (full-cache) attend with the window mask meets the same reference. (Not
-            # compared with the ring's output bit for bit: a long chunk over a linear cache runs
-            # the GEMM loops, the ring the dot-product ones, and the sums go in another order.)
+            # compared with the ring's output bit for bit: the ring's blocks are cut where its
+            # slots stop being consecutive, so the sums go in another order.)
             kvcache.update_kv_layer_cache(linear, kn, vn, start)
             lin = kvcache.attend(q, kvcache.KVLayerCache(linear.keys, linear.values, start + chunk),
                                  kv_start=offsets, window=window, softcap=softcap)
