@@ -23,7 +23,7 @@
 //                      of head_dim, values read in place).
 //
 // An int8 cache read with bf16/fp16 queries on AVX2/AVX-512 (Plan::scores, Loops::kInt16)
-// runs both products on integers instead: qk_block_i8 and pv_block_i8.
+// runs both products on integers instead: qk_block and pv_block over the Int16Scores and Int16Weights formats.
 //
 // Only slots some query of the task may see are read: [kv_start, length)
 // at most, cut to the queries' causal and window limits. A slot another
@@ -82,7 +82,7 @@ struct Ahead {
   int64_t row_bytes = 0;
   int64_t rows = 0;
   const char* v_cur = nullptr;  // this block's values (asked for while its keys are scored)
-  int64_t pv_chunk = kBlock;    // slots per chunk of the weight pass (pv_chunk_slots when streaming)
+  int64_t pv_chunk = kBlock;    // slots per chunk of the weight pass (value_chunk_slots when streaming)
 };
 
 // One cache line asked for, into L2 (see kStreamAhead). On x86 as an asm statement the compiler must
@@ -138,7 +138,7 @@ constexpr int64_t kStreamAhead = 3072;
 // --filled 256 4096 16384 --head-dims 64 128.
 constexpr int64_t kStreamChunkBytes = int64_t(512) << 10;
 constexpr int64_t kPvChunkBytes = 2048;
-inline int64_t pv_chunk_slots(int64_t row_bytes) {
+inline int64_t value_chunk_slots(int64_t row_bytes) {
   return std::clamp<int64_t>(kPvChunkBytes / std::max<int64_t>(1, row_bytes), 8, kBlock);
 }
 
@@ -151,7 +151,7 @@ inline Ahead stream_geometry(const AttendParams& p, int64_t dim, int64_t visible
   a.ldk = p.k_stride[2] * int64_t(sizeof(TKV));
   a.ldv = p.v_stride[2] * int64_t(sizeof(TKV));
   a.row_bytes = dim * int64_t(sizeof(TKV));
-  if (visible * 2 * a.row_bytes > kStreamChunkBytes) a.pv_chunk = pv_chunk_slots(a.row_bytes);
+  if (visible * 2 * a.row_bytes > kStreamChunkBytes) a.pv_chunk = value_chunk_slots(a.row_bytes);
   return a;
 }
 
@@ -231,62 +231,6 @@ inline void qk_tile_bf16(const c10::BFloat16* q, int64_t ldq, const c10::BFloat1
   store_tile_sums<R, C, true>(acc, qscale, s, lds);
 }
 
-// One score tile: float32 query rows (scaled) over keys of any float type
-// (qk_tile), or with Dot bf16 query rows (unscaled) over bf16 keys
-// (qk_tile_bf16).
-template <typename Dot, int R, int C, typename TQ, typename TK>
-inline void score_tile(const TQ* q, int64_t ldq, const TK* k, int64_t ldk, int64_t dim, float qscale,
-                       float* s, int64_t lds) {
-  if constexpr (std::is_void_v<Dot>) {
-    qk_tile<R, C>(q, ldq, k, ldk, dim, s, lds);
-  } else {
-    qk_tile_bf16<Dot, R, C>(q, ldq, k, ldk, dim, qscale, s, lds);
-  }
-}
-
-// R query rows against n slots; prefetches row c of `ahead` with slot c.
-template <typename Dot, int R, typename TQ, typename TK>
-inline void qk_rows(const TQ* q, int64_t ldq, const TK* k, int64_t ldk, int64_t dim, int64_t n,
-                    float* s, int64_t lds, const Ahead* ahead, float qscale) {
-  constexpr int C = R == 1 ? Vec::kAcc : R == 2 ? Vec::kAcc / 2 : Vec::kAcc / 4;
-  // The key stream kStreamAhead bytes ahead of the tile, and this block's
-  // values of the tile's slots (pv_block asks for them again, ahead of its
-  // own pass, in case they were evicted).
-  const char* const kc = reinterpret_cast<const char*>(k);
-  const int64_t ldkb = ldk * int64_t(sizeof(TK));
-  const int64_t dist = ahead != nullptr ? stream_distance(*ahead) : 0;
-  int64_t c = 0;
-  for (; c + C <= n; c += C) {
-    if (ahead != nullptr) {
-      prefetch_stream(kc, ahead->k, ldkb, ahead->ldk, n, ahead->rows, c + dist, c + dist + C,
-                      ahead->row_bytes);
-      if (ahead->v_cur != nullptr) prefetch_rows(ahead->v_cur, ahead->ldv, c, c + C, ahead->row_bytes);
-    }
-    score_tile<Dot, R, C>(q, ldq, k + c * ldk, ldk, dim, qscale, s + c, lds);
-  }
-  for (; c < n; ++c) score_tile<Dot, R, 1>(q, ldq, k + c * ldk, ldk, dim, qscale, s + c, lds);
-}
-
-// S[r, :n] = q[r] . k[:n] for `rows` query rows; the first group of rows
-// carries the prefetch. Dot void: float32 query rows, already scaled; else
-// bf16 ones (qk_tile_bf16), scaled by qscale here.
-template <typename Dot = void, typename TQ, typename TK>
-void qk_block(const TQ* q, int64_t ldq, const TK* k, int64_t ldk, int64_t dim, int64_t rows,
-              int64_t n, float* s, int64_t lds, const Ahead* ahead, float qscale = 1.f) {
-  if (ahead != nullptr && ahead->row_bytes == 0) ahead = nullptr;
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) {
-    qk_rows<Dot, 4>(q + r * ldq, ldq, k, ldk, dim, n, s + r * lds, lds, r == 0 ? ahead : nullptr, qscale);
-  }
-  const Ahead* a = r == 0 ? ahead : nullptr;
-  switch (rows - r) {
-    case 3: qk_rows<Dot, 3>(q + r * ldq, ldq, k, ldk, dim, n, s + r * lds, lds, a, qscale); break;
-    case 2: qk_rows<Dot, 2>(q + r * ldq, ldq, k, ldk, dim, n, s + r * lds, lds, a, qscale); break;
-    case 1: qk_rows<Dot, 1>(q + r * ldq, ldq, k, ldk, dim, n, s + r * lds, lds, a, qscale); break;
-    default: break;
-  }
-}
-
 // int8 scores by integer dot products (Dot: I8DotAvx2, see attend_vec.h):
 // S[r, c] = qs[r] * (q16[r] . k[c]) with q16 the task's query rows rounded
 // to int16 (round_queries_i16) and k a block of int8 keys read in place; the
@@ -356,80 +300,6 @@ __attribute__((always_inline)) inline void qk_tile_i8(const int16_t* q, int64_t 
   }
 }
 
-template <typename Dot, int R>
-inline void qk_rows_i8(const int16_t* q, int64_t ldq, const int8_t* k, int64_t ldk,
-                       int64_t dim, const float* qs, int64_t n, float* s, int64_t lds,
-                       const Ahead* ahead) {
-  // R * C accumulators, C widened keys and R query vectors in the ISA's
-  // registers: 8 accumulators of 16 registers (AVX2), 24 of 32 (AVX-512,
-  // where a tile of 3 rows (a GQA group of 3) x 8 slots amortises the query
-  // loads and the horizontal sums over 8 slots instead of 2).
-  constexpr int kBudget = Vec::kAcc >= 16 ? 24 : 8;
-  constexpr int C = std::min(8, kBudget / R);
-  float qsv[32] = {}, qs1[8] = {};
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < C; ++c) qsv[r * C + c] = qs[r];
-    qs1[r] = qs[r];
-  }
-  int64_t c = 0;
-  for (; c + C <= n; c += C) {
-    if (ahead != nullptr && c < ahead->rows) {
-      const int64_t e = std::min<int64_t>(c + C, ahead->rows);
-      prefetch_rows(ahead->k, ahead->ldk, c, e, ahead->row_bytes);
-      prefetch_rows(ahead->v, ahead->ldv, c, e, ahead->row_bytes);
-    }
-    qk_tile_i8<Dot, R, C>(q, ldq, k + c * ldk, ldk, dim, qsv, s + c, lds);
-  }
-  if (ahead != nullptr && c < ahead->rows) {
-    prefetch_rows(ahead->k, ahead->ldk, c, ahead->rows, ahead->row_bytes);
-    prefetch_rows(ahead->v, ahead->ldv, c, ahead->rows, ahead->row_bytes);
-  }
-  for (; c < n; ++c) qk_tile_i8<Dot, R, 1>(q, ldq, k + c * ldk, ldk, dim, qs1, s + c, lds);
-}
-
-// qk_rows_i8 out of line, for AVX-512: in the body of run_task the register
-// allocator spilled the 3 x 8 tile's accumulators and key pointers to the
-// stack. (AVX2's small tiles stay inline: they fit its registers, and a
-// call per row of tiles costs more than it saves; bench_attend.py --dtypes
-// int8 --isa avx2 compares.)
-template <typename Dot, int R>
-__attribute__((noinline)) void qk_rows_i8_outlined(const int16_t* q, int64_t ldq, const int8_t* k,
-                                                   int64_t ldk, int64_t dim, const float* qs,
-                                                   int64_t n, float* s, int64_t lds,
-                                                   const Ahead* ahead) {
-  qk_rows_i8<Dot, R>(q, ldq, k, ldk, dim, qs, n, s, lds, ahead);
-}
-
-template <typename Dot, int R>
-inline void qk_rows_i8_call(const int16_t* q, int64_t ldq, const int8_t* k, int64_t ldk,
-                            int64_t dim, const float* qs, int64_t n, float* s, int64_t lds,
-                            const Ahead* ahead) {
-  if constexpr (Vec::kAcc >= 16) {
-    qk_rows_i8_outlined<Dot, R>(q, ldq, k, ldk, dim, qs, n, s, lds, ahead);
-  } else {
-    qk_rows_i8<Dot, R>(q, ldq, k, ldk, dim, qs, n, s, lds, ahead);
-  }
-}
-
-// As qk_block, for int8 keys and int16 query rows (ldq = dim).
-template <typename Dot>
-void qk_block_i8(const int16_t* q, const float* qs, const int8_t* k, int64_t ldk, int64_t dim,
-                 int64_t rows, int64_t n, float* s, int64_t lds, const Ahead* ahead) {
-  if (ahead != nullptr && ahead->k == nullptr) ahead = nullptr;
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) {
-    qk_rows_i8_call<Dot, 4>(q + r * dim, dim, k, ldk, dim, qs + r, n, s + r * lds, lds,
-                       r == 0 ? ahead : nullptr);
-  }
-  const Ahead* a = r == 0 ? ahead : nullptr;
-  switch (rows - r) {
-    case 3: qk_rows_i8_call<Dot, 3>(q + r * dim, dim, k, ldk, dim, qs + r, n, s + r * lds, lds, a); break;
-    case 2: qk_rows_i8_call<Dot, 2>(q + r * dim, dim, k, ldk, dim, qs + r, n, s + r * lds, lds, a); break;
-    case 1: qk_rows_i8_call<Dot, 1>(q + r * dim, dim, k, ldk, dim, qs + r, n, s + r * lds, lds, a); break;
-    default: break;
-  }
-}
-
 // O = alpha O + P V for int8 values (Dot: I8DotAvx2) with the weights of
 // each row rounded to int16: wq[r, j] = round(P[r, j] / ws[r]), ws[r] the
 // row's largest weight of the block / kQMax (2^-16 of it at most, finer than
@@ -473,7 +343,7 @@ __attribute__((always_inline)) inline void pv_tile_i8(const int16_t* wq, int64_t
       Dot::load_v_pair(v + j * ldv + 16 * b, v + (j + 1) * ldv + 16 * b, lo, hi);
     });
   }
-  if (j < n) {  // wq[r, n] is 0 (pv_block_i8)
+  if (j < n) {  // wq[r, n] is 0 (pv_block)
     step(j, [&](int b, VI& lo, VI& hi) __attribute__((always_inline)) {
       Dot::load_v_one(v + j * ldv + 16 * b, lo, hi);
     });
@@ -487,20 +357,6 @@ __attribute__((always_inline)) inline void pv_tile_i8(const int16_t* wq, int64_t
       Dot::finish(o + r * ldo + 16 * b + 8, acc[(r * W + b) * 2 + 1], a, ws[r]);
     }
   }
-}
-
-// The columns [0, dim) of rows [0, R) by tiles of W column blocks, then
-// single blocks for the rest.
-template <typename Dot, int R, int W>
-inline void pv_rows_i8(const int16_t* wq, int64_t ldw, const int8_t* v, int64_t ldv, int64_t n,
-                       float* o, int64_t ldo, const float* alpha, const float* ws, int64_t dim) {
-  int64_t d = 0;
-  if constexpr (W > 1) {
-    for (; d + 16 * W <= dim; d += 16 * W) {
-      pv_tile_i8<Dot, R, W>(wq, ldw, v + d, ldv, n, o + d, ldo, alpha, ws);
-    }
-  }
-  for (; d < dim; d += 16) pv_tile_i8<Dot, R, 1>(wq, ldw, v + d, ldv, n, o + d, ldo, alpha, ws);
 }
 
 // Whether the integer loops round a row of largest magnitude amax > 0 (a
@@ -519,53 +375,8 @@ inline bool i16_exact(float amax) {
   return amax >= float(Dot::kQMax) * std::numeric_limits<float>::min();
 }
 
-// Rows [0, rows) of the block: P (the weights, value scales applied) to
-// int16 in sc.wq, then O = alpha O + P V by pv_tile_i8 (alpha nullptr: no
-// rescale, a later run of a block). Returns false, having
-// done nothing, when a row's weights are not all finite (NaN data, or an
-// infinite scale; the float loops then give the IEEE result) or are too
-// small for int16 rounding to be exact (i16_exact).
-template <typename Dot>
-bool pv_block_i8(const float* p, int64_t ldp, const int8_t* v, int64_t ldv, int64_t n, float* o,
-                 int64_t ldo, const float* alpha, int64_t rows, int64_t dim, int16_t* wq,
-                 float* ws) {
-  const int64_t ldw = kBlock + 2;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* pr = p + r * ldp;
-    float wmax = 0.f;
-    if (!Dot::finite_max(pr, n, wmax)) return false;
-    if (wmax > 0.f && !i16_exact<Dot>(wmax)) return false;  // tiny weights: float loops
-    int16_t* w = wq + r * ldw;
-    if (wmax > 0.f) {
-      Dot::round_to_i16(pr, n, float(Dot::kQMax) / wmax, w);
-      ws[r] = wmax / float(Dot::kQMax);
-    } else {
-      std::fill(w, w + n, int16_t{0});
-      ws[r] = 0.f;
-    }
-    w[n] = 0;
-  }
-  // 2 R W accumulators, R weight pairs and one value pair in the ISA's
-  // registers: 8 + 4 + 2 of 16 (AVX2: one column block), 24 + 4 + 2 of 32
-  // (AVX-512: up to 4 column blocks, head_dim 64 in one pass).
-  constexpr bool kWide = Vec::kAcc >= 16;
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) {
-    const float* a = alpha != nullptr ? alpha + r : nullptr;
-    pv_rows_i8<Dot, 4, kWide ? 3 : 1>(wq + r * ldw, ldw, v, ldv, n, o + r * ldo, ldo, a, ws + r, dim);
-  }
-  const float* a = alpha != nullptr ? alpha + r : nullptr;
-  switch (rows - r) {
-    case 3: pv_rows_i8<Dot, 3, kWide ? 4 : 1>(wq + r * ldw, ldw, v, ldv, n, o + r * ldo, ldo, a, ws + r, dim); break;
-    case 2: pv_rows_i8<Dot, 2, kWide ? 4 : 1>(wq + r * ldw, ldw, v, ldv, n, o + r * ldo, ldo, a, ws + r, dim); break;
-    case 1: pv_rows_i8<Dot, 1, kWide ? 4 : 1>(wq + r * ldw, ldw, v, ldv, n, o + r * ldo, ldo, a, ws + r, dim); break;
-    default: break;
-  }
-  return true;
-}
-
 // The task's scaled query rows (sc.q, float) rounded to int16 for
-// qk_block_i8: row r becomes sc.q16[r * dim + :] * sc.qs[r], with
+// the Int16Scores loops: row r becomes sc.q16[r * dim + :] * sc.qs[r], with
 // qs[r] = absmax / kQMax. A row with a NaN or infinite element gets a NaN
 // scale, so its scores are NaN as on the float path. Returns false, the
 // rounding unfinished, when a row is too small to round exactly
@@ -626,46 +437,6 @@ inline void pv_tile(const float* p, int64_t ldp, const TV* v, int64_t ldv,
   }
 }
 
-// R rows over all of head_dim (a multiple of L = Vec::kLanes). Fewer rows
-// take wider tiles: each accumulator is one FMA dependency chain through the
-// slot loop, and two FMA units with a latency of 4 need about 8 chains to
-// stay busy; at most 8 vectors of head_dim (128 columns of AVX2) per tile.
-template <int R, typename TV>
-inline void pv_rows(const float* p, int64_t ldp, const TV* v, int64_t ldv,
-                    int64_t n, float* o, int64_t ldo, const float* alpha,
-                    int64_t dim) {
-  constexpr int L = Vec::kLanes;
-  constexpr int W0 = R == 1 ? Vec::kAcc : R == 2 ? Vec::kAcc / 2 : Vec::kAcc / 4;
-  constexpr int W = W0 > 8 ? 8 : W0;
-  int64_t d = 0;
-  for (; d + L * W <= dim; d += L * W) pv_tile<R, W>(p, ldp, v + d, ldv, n, o + d, ldo, alpha);
-  if constexpr (W > 4) {
-    for (; d + 4 * L <= dim; d += 4 * L) pv_tile<R, 4>(p, ldp, v + d, ldv, n, o + d, ldo, alpha);
-  }
-  if constexpr (W > 2) {
-    for (; d + 2 * L <= dim; d += 2 * L) pv_tile<R, 2>(p, ldp, v + d, ldv, n, o + d, ldo, alpha);
-  }
-  for (; d < dim; d += L) pv_tile<R, 1>(p, ldp, v + d, ldv, n, o + d, ldo, alpha);
-}
-
-template <typename TV>
-void pv_rows_all(const float* p, int64_t ldp, const TV* v, int64_t ldv,
-                 int64_t n, float* o, int64_t ldo, const float* alpha,
-                 int64_t rows, int64_t dim) {
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) {
-    const float* a = alpha != nullptr ? alpha + r : nullptr;
-    pv_rows<4>(p + r * ldp, ldp, v, ldv, n, o + r * ldo, ldo, a, dim);
-  }
-  const float* a = alpha != nullptr ? alpha + r : nullptr;
-  switch (rows - r) {
-    case 3: pv_rows<3>(p + r * ldp, ldp, v, ldv, n, o + r * ldo, ldo, a, dim); break;
-    case 2: pv_rows<2>(p + r * ldp, ldp, v, ldv, n, o + r * ldo, ldo, a, dim); break;
-    case 1: pv_rows<1>(p + r * ldp, ldp, v, ldv, n, o + r * ldo, ldo, a, dim); break;
-    default: break;
-  }
-}
-
 // The weight pass's chunks [j, e) of `chunk` slots over n values read in
 // place: before each, the value stream asked for kStreamAhead bytes ahead
 // (continuing into the next block's rows, ahead.v), then f(j, e).
@@ -682,24 +453,6 @@ inline void for_value_chunks(const TV* v, int64_t ldv, int64_t n, const Ahead& a
   }
 }
 
-// O[:rows] = alpha O + P V over n slots. Values read in place (ahead: their
-// row geometry and the next block's rows) go by chunks of ahead->pv_chunk
-// slots, each asking for the value stream kStreamAhead bytes ahead; a packed
-// block (ahead nullptr) in one pass.
-template <typename TV>
-void pv_block(const float* p, int64_t ldp, const TV* v, int64_t ldv,
-              int64_t n, float* o, int64_t ldo, const float* alpha,
-              int64_t rows, int64_t dim, const Ahead* ahead = nullptr) {
-  if (ahead == nullptr || ahead->row_bytes == 0) {
-    pv_rows_all(p, ldp, v, ldv, n, o, ldo, alpha, rows, dim);
-    return;
-  }
-  for_value_chunks(v, ldv, n, *ahead, ahead->pv_chunk, [&](int64_t j, int64_t e) {
-    // alpha rescales O once, with the block's first chunk.
-    pv_rows_all(p + j, ldp, v + j * ldv, ldv, e - j, o, ldo, j == 0 ? alpha : nullptr, rows, dim);
-  });
-}
-
 // ---- Decode weights on bf16 pairs (Loops::kBf16Pairs weights) ------------------------
 //
 // O = alpha O + P V over bf16 values read in place, two slots a vdpbf16ps
@@ -708,7 +461,7 @@ void pv_block(const float* p, int64_t ldp, const TV* v, int64_t ldv,
 // instruction adds both slots' products to 16 columns. Against pv_tile on
 // the widened values that is half the multiply instructions and none of the
 // conversions. The rounding of the weights (relative 2^-9, as the chunk
-// loops' pv_pairs) is below the bf16 output's own. The accumulators hold
+// loops' pv_gemm) is below the bf16 output's own. The accumulators hold
 // their columns in pair_rows' order; O is reordered on the way in and out
 // (Dot::to_pair_order, from_pair_order), once per tile and block.
 
@@ -778,62 +531,6 @@ inline void pv_tile_bf16(const c10::BFloat16* pb, int64_t ldp, const c10::BFloat
   }
 }
 
-// R rows over all of head_dim (a multiple of 32): tiles of 4 x 32 columns
-// for 1-2 rows, 2 x 32 for 3-4 (at most 16 accumulators, each one
-// vdpbf16ps chain through the slot loop).
-template <typename Dot, int R>
-inline void pv_rows_bf16(const c10::BFloat16* pb, int64_t ldp, const c10::BFloat16* v, int64_t ldv,
-                         int64_t n, float* o, int64_t ldo, const float* alpha, int64_t dim) {
-  constexpr int64_t C = 2 * Vec::kLanes;  // columns a pair vector covers
-  constexpr int W = R <= 2 ? 4 : 2;
-  int64_t d = 0;
-  for (; d + C * W <= dim; d += C * W) pv_tile_bf16<Dot, R, W>(pb, ldp, v + d, ldv, n, o + d, ldo, alpha);
-  if constexpr (W > 2) {
-    for (; d + 2 * C <= dim; d += 2 * C) pv_tile_bf16<Dot, R, 2>(pb, ldp, v + d, ldv, n, o + d, ldo, alpha);
-  }
-  for (; d < dim; d += C) pv_tile_bf16<Dot, R, 1>(pb, ldp, v + d, ldv, n, o + d, ldo, alpha);
-}
-
-template <typename Dot>
-void pv_rows_all_bf16(const c10::BFloat16* pb, const c10::BFloat16* v, int64_t ldv, int64_t n, float* o,
-                      int64_t ldo, const float* alpha, int64_t rows, int64_t dim) {
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) {
-    const float* a = alpha != nullptr ? alpha + r : nullptr;
-    pv_rows_bf16<Dot, 4>(pb + r * kBlock, kBlock, v, ldv, n, o + r * ldo, ldo, a, dim);
-  }
-  const float* a = alpha != nullptr ? alpha + r : nullptr;
-  const c10::BFloat16* w = pb + r * kBlock;
-  switch (rows - r) {
-    case 3: pv_rows_bf16<Dot, 3>(w, kBlock, v, ldv, n, o + r * ldo, ldo, a, dim); break;
-    case 2: pv_rows_bf16<Dot, 2>(w, kBlock, v, ldv, n, o + r * ldo, ldo, a, dim); break;
-    case 1: pv_rows_bf16<Dot, 1>(w, kBlock, v, ldv, n, o + r * ldo, ldo, a, dim); break;
-    default: break;
-  }
-}
-
-// As pv_block, for bf16 values on bf16 pairs: the weights P (rows x n,
-// ldp apart; by whole vectors, so up to the next multiple of Vec::kLanes,
-// columns that are never used) rounded into pb (rows x kBlock), then the
-// chunks of pv_block (an even number of slots each, so only a block's last
-// chunk can end on an unpaired slot).
-template <typename Dot>
-void pv_block_bf16(const float* p, int64_t ldp, const c10::BFloat16* v, int64_t ldv, int64_t n, float* o,
-                   int64_t ldo, const float* alpha, int64_t rows, int64_t dim, c10::BFloat16* pb,
-                   const Ahead* ahead) {
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t j = 0; j < n; j += Vec::kLanes) Dot::round16(p + r * ldp + j, pb + r * kBlock + j);
-  }
-  if (ahead == nullptr || ahead->row_bytes == 0) {
-    pv_rows_all_bf16<Dot>(pb, v, ldv, n, o, ldo, alpha, rows, dim);
-    return;
-  }
-  const int64_t chunk = std::max<int64_t>(2, ahead->pv_chunk & ~int64_t(1));
-  for_value_chunks(v, ldv, n, *ahead, chunk, [&](int64_t j, int64_t e) {
-    pv_rows_all_bf16<Dot>(pb + j, v + j * ldv, ldv, e - j, o, ldo, j == 0 ? alpha : nullptr, rows, dim);
-  });
-}
-
 // Widens n cached rows (any element stride) to float32, dim_pad apart
 // (the padding columns were zeroed when the scratch was made).
 template <typename T>
@@ -874,7 +571,7 @@ void widen_rows(const T* src, int64_t row_stride, int64_t elem_stride, int64_t n
 // keys once per 4 rows and ends every tile with horizontal sums, and widens
 // 16-bit keys every time. Values of a 16-bit or quantized cache are widened
 // once per block (widen_rows) for the same reason, and O = alpha O + P V
-// runs kGemmRows-row tiles (pv_block<kGemmRows>).
+// runs kGemmRows-row tiles (pv_gemm).
 //
 // 12 accumulators on AVX2 (6 rows x 2 vectors, of 16 ymm registers: two for
 // the keys, one for the broadcast query) give two FMA units of latency 4
@@ -967,7 +664,7 @@ inline void with_rows(int64_t rows, F&& f) {
   }
 }
 
-// The tile walk of both gemm products (qk_gemm, pv_block_gemm): `rows`
+// The tile walk of both gemm products (qk_gemm, pv_gemm): `rows`
 // rows by `cols` columns (a multiple of Vec::kLanes) in tiles of kGemmRows
 // rows x 2 vectors, a last strip of 1 vector where cols is odd in vectors
 // and a last row tile of fewer rows, sized at compile time. Column strips
@@ -998,30 +695,6 @@ inline void for_gemm_tiles(int64_t rows, int64_t cols, Trickle& pf, F&& tile) {
 // calls), for Trickle::spread_over.
 inline int64_t gemm_tiles(int64_t rows, int64_t cols) {
   return (cols + 2 * Vec::kLanes - 1) / (2 * Vec::kLanes) * ((rows + kGemmRows - 1) / kGemmRows);
-}
-
-// S[r, :n_pad] = q[r] . k[:n_pad] for `rows` query rows over packed keys
-// (pack_kt); columns past the block's n are 0 . q = 0 (the softmax masks
-// them). A strip of kt is 2 vectors x dim floats, 8 KB at head_dim 128.
-inline void qk_gemm(const float* q, int64_t ldq, const float* kt, int64_t dim, int64_t rows,
-                    int64_t n_pad, float* s, int64_t lds, Trickle& pf) {
-  for_gemm_tiles(rows, n_pad, pf, [&](auto wc, auto rc, int64_t r, int64_t c) {
-    qk_gemm_tile<decltype(rc)::value, decltype(wc)::value>(q + r * ldq, ldq, kt + c, dim,
-                                                           s + r * lds + c, lds);
-  });
-}
-
-// As pv_block, for chunks (Chunks::kFloat): for_gemm_tiles over rows x
-// head_dim; a strip of the block's values is kBlock x 2 vectors (4 KB).
-// dim: a multiple of Vec::kLanes.
-template <typename TV>
-void pv_block_gemm(const float* p, int64_t ldp, const TV* v, int64_t ldv, int64_t n, float* o,
-                   int64_t ldo, const float* alpha, int64_t rows, int64_t dim, Trickle& pf) {
-  for_gemm_tiles(rows, dim, pf, [&](auto wc, auto rc, int64_t r, int64_t d) {
-    pv_tile<decltype(rc)::value, decltype(wc)::value>(p + r * ldp, ldp, v + d, ldv, n, o + r * ldo + d,
-                                                      ldo, alpha + r);
-  });
-  pf.issue(pf.total());  // whatever the tiles left
 }
 
 // ---- Chunks on bf16 pairs (Vec::kBf16Dot, bf16 queries and cache) -----
@@ -1107,44 +780,363 @@ inline void pv_tile_pairs(const c10::BFloat16* p, int64_t ldp, const uint32_t* v
   }
 }
 
-// S[r, :n8] = qscale q[r] . k[:n8] for `rows` bf16 query rows (dim apart)
-// over a chunk block's n keys (ldk even, unit element stride), packed into
-// kt2 (kBlock x dim / 2 words of scratch); columns past n are 0.
-template <typename Dot>
-void qk_pairs(const c10::BFloat16* q, const c10::BFloat16* k, int64_t ldk, int64_t n, int64_t n8,
-              int64_t rows, int64_t dim, float qscale, float* S, uint32_t* kt2, Trickle& pf) {
-  pack_kt_pairs(k, ldk, n, n8, dim, kt2);
-  for_gemm_tiles(rows, n8, pf, [&](auto wc, auto rc, int64_t r, int64_t c) {
-    qk_tile_pairs<Dot, decltype(rc)::value, decltype(wc)::value>(q + r * dim, dim, kt2 + c, dim / 2,
-                                                                 qscale, S + r * kBlock + c, kBlock);
-  });
+// ---- Formats: one driver per product, a traits row per format ----------
+//
+// What differs between the float, bf16-pair and integer loops is what they
+// read (float32 scaled queries, bf16 queries as given, queries rounded to
+// int16; float32 weights, weights rounded to bf16 or to int16), their tile
+// micro-kernel, their register tile sizes and how they ask for the streams
+// ahead. Each format states those in one traits row (FloatScores,
+// Bf16Scores, Int16Scores; FloatWeights, Bf16Weights, Int16Weights), and
+// one driver per product walks the rows and slots for all of them: qk_block
+// (S = Q K^T), pv_block (O = alpha O + P V), and for chunk blocks qk_gemm and
+// pv_gemm (FloatScores / Bf16Scores, FloatWeights / Bf16Weights: the
+// GEMM-form tiles over packed keys). A new format is a new row.
+
+// f(): out of line, so that the register allocator sees the body on its own
+// (the integer tiles on AVX-512: inlined into run_task, their 3 x 8 tile's
+// accumulators and key pointers spilled to the stack).
+template <typename F>
+__attribute__((noinline)) void outlined(const F& f) {
+  f();
 }
 
-// O = alpha O + P V for `rows` rows of weights P (S, kBlock apart, n8
-// columns; rounded into pb, rows x kBlock bf16) over a chunk block's n
-// values (unit element stride), packed as slot pairs into vt2 (kBlock / 2 x
-// dim words).
-template <typename Dot>
-void pv_pairs(const float* S, const c10::BFloat16* v, int64_t ldv, int64_t n, int64_t n8, int64_t rows,
-              int64_t dim, float* O, int64_t ldo, const float* alpha, c10::BFloat16* pb, uint32_t* vt2,
-              Trickle& pf) {
-  // Weights past n are exactly 0 (softmax_row), so an odd block's last
-  // pair needs no mask; its value pair's second half is 0.
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t j = 0; j < n8; j += Vec::kLanes) Dot::round16(S + r * kBlock + j, pb + r * kBlock + j);
+// Float32 query rows (sc.q, scaled) over keys of any float type, widened in
+// registers (qk_tile). Register tiles of R rows x cols<R>() slots; the key
+// stream asked for kStreamAhead bytes ahead of the tiles (kBurst false).
+struct FloatScores {
+  using Q = float;
+  static constexpr bool kBurst = false;    // next block's rows in one burst (else a stream)
+  static constexpr bool kRowScales = false;  // a scale per query row (int16 rounding)
+  static constexpr bool kOutline = false;
+  template <int R>
+  static constexpr int cols() { return R == 1 ? Vec::kAcc : R == 2 ? Vec::kAcc / 2 : Vec::kAcc / 4; }
+  template <int R, int C, typename TK>
+  static void tile(const Q* q, int64_t ldq, const TK* k, int64_t ldk, int64_t dim, float /*qscale*/,
+                   const float* /*qsv*/, float* s, int64_t lds) {
+    qk_tile<R, C>(q, ldq, k, ldk, dim, s, lds);
   }
-  const int64_t n2 = (n + 1) / 2;
-  for (int64_t i = 0; i < n2; ++i) {
-    const c10::BFloat16* a = v + 2 * i * ldv;
-    const c10::BFloat16* b = 2 * i + 1 < n ? a + ldv : nullptr;
-    for (int64_t d = 0; d < dim; d += Vec::kLanes) {
-      Dot::interleave16(a + d, b == nullptr ? nullptr : b + d, vt2 + i * dim + d);
+};
+
+// bf16 query rows as given (sc.qh) over bf16 keys on bf16 pairs
+// (qk_tile_bf16; Dot: Bf16DotAvx512), scaled by qscale as the sums are stored.
+template <typename D>
+struct Bf16Scores {
+  using Dot = D;
+  using Q = c10::BFloat16;
+  static constexpr bool kBurst = false, kRowScales = false, kOutline = false;
+  template <int R>
+  static constexpr int cols() { return FloatScores::cols<R>(); }
+  template <int R, int C>
+  static void tile(const Q* q, int64_t ldq, const c10::BFloat16* k, int64_t ldk, int64_t dim, float qscale,
+                   const float* /*qsv*/, float* s, int64_t lds) {
+    qk_tile_bf16<Dot, R, C>(q, ldq, k, ldk, dim, qscale, s, lds);
+  }
+};
+
+// int16 query rows (sc.q16, a scale per row: round_queries_i16) over int8
+// keys by integer dot products (qk_tile_i8; Dot: I8DotAvx2 and kin). R * C
+// accumulators, C widened keys and R query vectors in the ISA's registers:
+// 8 accumulators of 16 registers (AVX2), 24 of 32 (AVX-512, where a tile of
+// 3 rows (a GQA group of 3) x 8 slots amortises the query loads and the
+// horizontal sums over 8 slots instead of 2). The next block's keys and
+// values asked for between the tiles (kBurst); out of line on AVX-512
+// (outlined). AVX2's small tiles stay inline: they fit its registers, and a
+// call per row of tiles costs more than it saves (bench_attend.py --dtypes
+// int8 --isa avx2 compares).
+template <typename D>
+struct Int16Scores {
+  using Dot = D;
+  using Q = int16_t;
+  static constexpr bool kBurst = true, kRowScales = true, kOutline = Vec::kAcc >= 16;
+  template <int R>
+  static constexpr int cols() { return std::min(8, (Vec::kAcc >= 16 ? 24 : 8) / R); }
+  template <int R, int C>
+  static void tile(const Q* q, int64_t ldq, const int8_t* k, int64_t ldk, int64_t dim, float /*qscale*/,
+                   const float* qsv, float* s, int64_t lds) {
+    qk_tile_i8<Dot, R, C>(q, ldq, k, ldk, dim, qsv, s, lds);
+  }
+};
+
+// S[r, :n] = (q[r] . k[:n]) for `rows` query rows of format Fmt (ldq apart;
+// qs: their scales, Fmt::kRowScales) over n keys ldk apart, by groups of 4
+// rows and the remainder, each group by register tiles of Fmt::cols<R>()
+// slots. ahead: the streams to ask for (Fmt::kBurst: the next block's rows
+// beside the tiles; else the key stream kStreamAhead bytes ahead and this
+// block's values beside their keys), carried by the first group only.
+template <typename Fmt, typename TK>
+void qk_block(const typename Fmt::Q* q, int64_t ldq, const float* qs, const TK* k, int64_t ldk, int64_t dim,
+              int64_t rows, int64_t n, float* s, int64_t lds, const Ahead* ahead, float qscale = 1.f) {
+  if (ahead != nullptr && (Fmt::kBurst ? ahead->k == nullptr : ahead->row_bytes == 0)) ahead = nullptr;
+  const char* const kc = reinterpret_cast<const char*>(k);
+  const int64_t ldkb = ldk * int64_t(sizeof(TK));
+  auto group = [&](auto rc, int64_t r, const Ahead* a) __attribute__((always_inline)) {
+    constexpr int R = decltype(rc)::value;
+    constexpr int C = Fmt::template cols<R>();
+    const typename Fmt::Q* const qr = q + r * ldq;
+    float* const sr = s + r * lds;
+    // kRowScales: the rows' scales laid out as a tile's sums (qsv) and as a
+    // one-slot tile's (qs1); zeros past them.
+    float qsv[32] = {}, qs1[8] = {};
+    if constexpr (Fmt::kRowScales) {
+      for (int x = 0; x < R; ++x) {
+        for (int c = 0; c < C; ++c) qsv[x * C + c] = qs[r + x];
+        qs1[x] = qs[r + x];
+      }
     }
+    const int64_t dist = a != nullptr && !Fmt::kBurst ? stream_distance(*a) : 0;
+    int64_t c = 0;
+    for (; c + C <= n; c += C) {
+      if (a != nullptr) {
+        if constexpr (Fmt::kBurst) {
+          if (c < a->rows) {
+            const int64_t e = std::min<int64_t>(c + C, a->rows);
+            prefetch_rows(a->k, a->ldk, c, e, a->row_bytes);
+            prefetch_rows(a->v, a->ldv, c, e, a->row_bytes);
+          }
+        } else {
+          prefetch_stream(kc, a->k, ldkb, a->ldk, n, a->rows, c + dist, c + dist + C, a->row_bytes);
+          if (a->v_cur != nullptr) prefetch_rows(a->v_cur, a->ldv, c, c + C, a->row_bytes);
+        }
+      }
+      Fmt::template tile<R, C>(qr, ldq, k + c * ldk, ldk, dim, qscale, qsv, sr + c, lds);
+    }
+    if constexpr (Fmt::kBurst) {
+      if (a != nullptr && c < a->rows) {
+        prefetch_rows(a->k, a->ldk, c, a->rows, a->row_bytes);
+        prefetch_rows(a->v, a->ldv, c, a->rows, a->row_bytes);
+      }
+    }
+    for (; c < n; ++c) Fmt::template tile<R, 1>(qr, ldq, k + c * ldk, ldk, dim, qscale, qs1, sr + c, lds);
+  };
+  auto run = [&](auto rc, int64_t r) {
+    const Ahead* a = r == 0 ? ahead : nullptr;
+    if constexpr (Fmt::kOutline) {
+      outlined([&] { group(rc, r, a); });
+    } else {
+      group(rc, r, a);
+    }
+  };
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) run(std::integral_constant<int, 4>{}, r);
+  with_rows<3>(rows - r, [&](auto rc) { run(rc, r); });
+}
+
+// Float32 weights (S as the softmax left them) over values of any float
+// type, widened in registers (pv_tile): tiles of R rows x width<R>()
+// vectors of head_dim. Fewer rows take wider tiles: each accumulator is one
+// FMA dependency chain through the slot loop, and two FMA units with a
+// latency of 4 need about 8 chains to stay busy; at most 8 vectors (128
+// columns of AVX2) per tile.
+struct FloatWeights {
+  using P = float;
+  static constexpr int64_t kCols = Vec::kLanes;  // columns per tile vector
+  static constexpr bool kChunks = true;          // values in place go by chunks (for_value_chunks)
+  template <int R>
+  static constexpr int width() {
+    constexpr int w = R == 1 ? Vec::kAcc : R == 2 ? Vec::kAcc / 2 : Vec::kAcc / 4;
+    return w > 8 ? 8 : w;
   }
-  for_gemm_tiles(rows, dim, pf, [&](auto wc, auto rc, int64_t r, int64_t d) {
-    pv_tile_pairs<Dot, decltype(rc)::value, decltype(wc)::value>(pb + r * kBlock, kBlock, vt2 + d, dim, n2,
-                                                                 O + r * ldo + d, ldo, alpha + r);
-  });
+  template <int R, int W, typename TV>
+  static void tile(const P* p, int64_t ldp, const TV* v, int64_t ldv, int64_t n, float* o, int64_t ldo,
+                   const float* alpha, const float* /*ws*/) {
+    pv_tile<R, W>(p, ldp, v, ldv, n, o, ldo, alpha);
+  }
+};
+
+// Weights rounded to bf16 once per block (pw) over bf16 values on bf16
+// pairs (pv_tile_bf16; Dot: Bf16DotAvx512): 32 columns a pair vector, tiles
+// of 4 x 32 columns for 1-2 rows, 2 x 32 for 3-4 (at most 16 accumulators,
+// each one vdpbf16ps chain through the slot loop). Chunks of an even number
+// of slots, so only a block's last chunk can end on an unpaired slot.
+template <typename D>
+struct Bf16Weights {
+  using Dot = D;
+  using P = c10::BFloat16;
+  static constexpr int64_t kCols = 2 * Vec::kLanes;
+  static constexpr bool kChunks = true;
+  template <int R>
+  static constexpr int width() { return R <= 2 ? 4 : 2; }
+  template <int R, int W>
+  static void tile(const P* p, int64_t ldp, const c10::BFloat16* v, int64_t ldv, int64_t n, float* o,
+                   int64_t ldo, const float* alpha, const float* /*ws*/) {
+    pv_tile_bf16<Dot, R, W>(p, ldp, v, ldv, n, o, ldo, alpha);
+  }
+};
+
+// Weights rounded to int16 with a scale per row (pw, ws) over int8 values by
+// integer dot products (pv_tile_i8): 16 columns a block; 2 R W
+// accumulators, R weight pairs and one value pair in the ISA's registers:
+// 8 + 4 + 2 of 16 (AVX2: one column block), 24 + 4 + 2 of 32 (AVX-512: up
+// to 4 column blocks, head_dim 64 in one pass). One pass a block (the
+// scores' tiles asked for the values already).
+template <typename D>
+struct Int16Weights {
+  using Dot = D;
+  using P = int16_t;
+  static constexpr int64_t kCols = 16;
+  static constexpr bool kChunks = false;
+  template <int R>
+  static constexpr int width() { return Vec::kAcc >= 16 ? (R == 4 ? 3 : 4) : 1; }
+  template <int R, int W>
+  static void tile(const P* p, int64_t ldp, const int8_t* v, int64_t ldv, int64_t n, float* o, int64_t ldo,
+                   const float* alpha, const float* ws) {
+    pv_tile_i8<Dot, R, W>(p, ldp, v, ldv, n, o, ldo, alpha, ws);
+  }
+};
+
+// O[:rows] = alpha O + P V over n slots (alpha nullptr: no rescale, a later
+// run of a block), the weights P (rows x n, ldp apart) taken into format
+// Fmt first: as they are (float), rounded to bf16 into pw (rows x kBlock),
+// or to int16 into pw (rows x (kBlock + 2)) with a scale per row in ws.
+// Returns false, having done nothing, when Int16 cannot take the block: a
+// row's weights not all finite (NaN data, or an infinite scale; the float
+// loops then give the IEEE result) or too small for int16 rounding to be
+// exact (i16_exact). Rows by groups of 4 and the remainder, head_dim by
+// tiles of Fmt::width<R>() vectors of Fmt::kCols columns, then narrower
+// ones. Values read in place (ahead: their row geometry and the next
+// block's rows) go by chunks of ahead->pv_chunk slots, each asking for the
+// value stream kStreamAhead bytes ahead (Fmt::kChunks); a packed block
+// (ahead nullptr) in one pass.
+template <typename Fmt, typename TV>
+bool pv_block(const float* p, int64_t ldp, const TV* v, int64_t ldv, int64_t n, float* o, int64_t ldo,
+              const float* alpha, int64_t rows, int64_t dim, const Ahead* ahead = nullptr,
+              typename Fmt::P* pw = nullptr, float* ws = nullptr) {
+  using P = typename Fmt::P;
+  const P* w = nullptr;
+  int64_t ldw = 0;
+  if constexpr (std::is_same_v<P, float>) {
+    w = p;
+    ldw = ldp;
+  } else if constexpr (std::is_same_v<P, c10::BFloat16>) {
+    // By whole vectors: up to the next multiple of Vec::kLanes, columns
+    // that are never used.
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = 0; j < n; j += Vec::kLanes) Fmt::Dot::round16(p + r * ldp + j, pw + r * kBlock + j);
+    }
+    w = pw;
+    ldw = kBlock;
+  } else {
+    ldw = kBlock + 2;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* pr = p + r * ldp;
+      float wmax = 0.f;
+      if (!Fmt::Dot::finite_max(pr, n, wmax)) return false;
+      if (wmax > 0.f && !i16_exact<typename Fmt::Dot>(wmax)) return false;  // tiny weights: float loops
+      int16_t* wr = pw + r * ldw;
+      if (wmax > 0.f) {
+        Fmt::Dot::round_to_i16(pr, n, float(Fmt::Dot::kQMax) / wmax, wr);
+        ws[r] = wmax / float(Fmt::Dot::kQMax);
+      } else {
+        std::fill(wr, wr + n, int16_t{0});
+        ws[r] = 0.f;
+      }
+      wr[n] = 0;  // an odd n's last slot pairs with weight 0
+    }
+    w = pw;
+  }
+  // Slots [j, e) for every row, alpha applied (al nullptr: none).
+  auto pass = [&](int64_t j, int64_t e, const float* al) {
+    auto group = [&](auto rc, int64_t r) {
+      constexpr int R = decltype(rc)::value;
+      constexpr int W = Fmt::template width<R>();
+      constexpr int64_t L = Fmt::kCols;
+      const P* const wr = w + r * ldw + j;
+      const TV* const vj = v + j * ldv;
+      float* const orow = o + r * ldo;
+      const float* const a = al != nullptr ? al + r : nullptr;
+      const float* const sr = ws != nullptr ? ws + r : nullptr;
+      int64_t d = 0;
+      for (; d + L * W <= dim; d += L * W) Fmt::template tile<R, W>(wr, ldw, vj + d, ldv, e - j, orow + d, ldo, a, sr);
+      if constexpr (W > 4) {
+        for (; d + 4 * L <= dim; d += 4 * L) Fmt::template tile<R, 4>(wr, ldw, vj + d, ldv, e - j, orow + d, ldo, a, sr);
+      }
+      if constexpr (W > 2) {
+        for (; d + 2 * L <= dim; d += 2 * L) Fmt::template tile<R, 2>(wr, ldw, vj + d, ldv, e - j, orow + d, ldo, a, sr);
+      }
+      for (; d < dim; d += L) Fmt::template tile<R, 1>(wr, ldw, vj + d, ldv, e - j, orow + d, ldo, a, sr);
+    };
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) group(std::integral_constant<int, 4>{}, r);
+    with_rows<3>(rows - r, [&](auto rc) { group(rc, r); });
+  };
+  if (!Fmt::kChunks || ahead == nullptr || ahead->row_bytes == 0) {
+    pass(0, n, alpha);
+    return true;
+  }
+  int64_t chunk = ahead->pv_chunk;
+  if constexpr (std::is_same_v<P, c10::BFloat16>) chunk = std::max<int64_t>(2, chunk & ~int64_t(1));
+  // alpha rescales O once, with the block's first chunk.
+  for_value_chunks(v, ldv, n, *ahead, chunk, [&](int64_t j, int64_t e) { pass(j, e, j == 0 ? alpha : nullptr); });
+  return true;
+}
+
+// A chunk block's scores in GEMM form over its keys packed once (Fmt
+// FloatScores: widened to float32 and transposed into kt by pack_kt, tiles
+// qk_gemm_tile over float32 query rows; Bf16Scores: 32-bit words of bf16
+// pairs into kt2 by pack_kt_pairs, tiles qk_tile_pairs over the bf16 query
+// rows as given, scaled by qscale as stored): S[r, :n_pad] for `rows` rows
+// (ldq apart) over n keys (ldk apart, element stride es); columns past n are
+// 0 . q = 0 (the softmax masks them). A strip of the packed keys is 2
+// vectors x dim floats, 8 KB at head_dim 128. kb: kBlock x dim_pad floats of
+// scratch for widened keys.
+template <typename Fmt, typename TK>
+void qk_gemm(const typename Fmt::Q* q, int64_t ldq, const TK* k, int64_t ldk, int64_t es, int64_t n,
+             int64_t n_pad, int64_t dim, int64_t dim_pad, float qscale, int64_t rows, float* s, int64_t lds,
+             float* kb, float* kt, Trickle& pf) {
+  if constexpr (std::is_same_v<typename Fmt::Q, float>) {
+    pf.spread_over(gemm_tiles(rows, n_pad) + gemm_tiles(rows, dim_pad));
+    pack_kt(k, ldk, es, n, n_pad, dim, dim_pad, kb, kt);
+    for_gemm_tiles(rows, n_pad, pf, [&](auto wc, auto rc, int64_t r, int64_t c) {
+      qk_gemm_tile<decltype(rc)::value, decltype(wc)::value>(q + r * ldq, ldq, kt + c, dim, s + r * lds + c, lds);
+    });
+  } else {
+    using Dot = typename Fmt::Dot;
+    uint32_t* const kt2 = reinterpret_cast<uint32_t*>(kt);
+    pf.spread_over(gemm_tiles(rows, n_pad) + gemm_tiles(rows, dim));
+    pack_kt_pairs(k, ldk, n, n_pad, dim, kt2);
+    for_gemm_tiles(rows, n_pad, pf, [&](auto wc, auto rc, int64_t r, int64_t c) {
+      qk_tile_pairs<Dot, decltype(rc)::value, decltype(wc)::value>(q + r * ldq, ldq, kt2 + c, dim / 2, qscale,
+                                                                   s + r * lds + c, lds);
+    });
+  }
+}
+
+// A chunk block's O = alpha O + P V in GEMM form: for_gemm_tiles over rows x
+// head_dim (dim a multiple of Vec::kLanes). FloatWeights: pv_tile over
+// float32 values (in place, or widened once into vb; a strip is kBlock x 2
+// vectors, 4 KB); Bf16Weights: the weights rounded into pw (rows x kBlock
+// bf16) and the values packed as slot pairs into vt2 (kBlock / 2 x dim
+// words), tiles pv_tile_pairs. Weights past n are exactly 0 (softmax_row),
+// so an odd block's last pair needs no mask; its value pair's second half
+// is 0.
+template <typename Fmt, typename TV>
+void pv_gemm(const float* p, int64_t ldp, const TV* v, int64_t ldv, int64_t n, int64_t n8, int64_t rows,
+             int64_t dim, float* o, int64_t ldo, const float* alpha, typename Fmt::P* pw, uint32_t* vt2,
+             Trickle& pf) {
+  if constexpr (std::is_same_v<typename Fmt::P, float>) {
+    for_gemm_tiles(rows, dim, pf, [&](auto wc, auto rc, int64_t r, int64_t d) {
+      pv_tile<decltype(rc)::value, decltype(wc)::value>(p + r * ldp, ldp, v + d, ldv, n, o + r * ldo + d, ldo,
+                                                        alpha + r);
+    });
+  } else {
+    using Dot = typename Fmt::Dot;
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = 0; j < n8; j += Vec::kLanes) Dot::round16(p + r * ldp + j, pw + r * kBlock + j);
+    }
+    const int64_t n2 = (n + 1) / 2;
+    for (int64_t i = 0; i < n2; ++i) {
+      const c10::BFloat16* a = v + 2 * i * ldv;
+      const c10::BFloat16* b = 2 * i + 1 < n ? a + ldv : nullptr;
+      for (int64_t d = 0; d < dim; d += Vec::kLanes) {
+        Dot::interleave16(a + d, b == nullptr ? nullptr : b + d, vt2 + i * dim + d);
+      }
+    }
+    for_gemm_tiles(rows, dim, pf, [&](auto wc, auto rc, int64_t r, int64_t d) {
+      pv_tile_pairs<Dot, decltype(rc)::value, decltype(wc)::value>(pw + r * kBlock, kBlock, vt2 + d, dim, n2,
+                                                                   o + r * ldo + d, ldo, alpha + r);
+    });
+  }
   pf.issue(pf.total());  // whatever the tiles left
 }
 
@@ -1204,7 +1196,7 @@ inline void scale_columns(float* S, int64_t ra, int64_t rb, int64_t n,
 }
 
 // Whether an int8 cache's in-place blocks take the integer loops
-// (qk_block_i8, pv_block_i8) on this ISA, when the plan chose Loops::kInt16.
+// (Int16Scores, Int16Weights) on this ISA, when the plan chose Loops::kInt16.
 template <typename TKV>
 constexpr bool kI8Dot = std::is_same_v<TKV, int8_t> && Vec::kI8Dot;
 
@@ -1251,7 +1243,7 @@ inline void start_task(const Plan& plan, const Task& t, Scratch& sc) {
     if (plan.scores == Loops::kInt16) sc.q16_ok = round_queries_i16<typename Vec::I8>(plan, rows, sc);
   }
   if constexpr (kBf16Pairs<T, TKV>) {
-    if (plan.bf16_queries()) {  // the bf16 queries as given (qk_pairs, qk_tile_bf16)
+    if (plan.bf16_queries()) {  // the bf16 queries as given (qk_tile_pairs, qk_tile_bf16)
       for (int64_t r = 0; r < rows; ++r) {
         const T* src = query(r);
         c10::BFloat16* dst = sc.qh.data() + r * D;
@@ -1278,20 +1270,20 @@ inline void score_in_place(const Plan& plan, Scratch& sc, int64_t ra, int64_t rb
   float* const S = sc.s.data() + ra * kBlock + col;
   if constexpr (kBf16Pairs<T, TKV>) {
     if (plan.scores == Loops::kBf16Pairs) {
-      qk_block<typename Vec::Bf16>(sc.qh.data() + ra * plan.dim, plan.dim, k, ldk, plan.dim, rb - ra,
-                                   n, S, kBlock, ahead, plan.qscale);
+      qk_block<Bf16Scores<typename Vec::Bf16>>(sc.qh.data() + ra * plan.dim, plan.dim, nullptr, k, ldk,
+                                               plan.dim, rb - ra, n, S, kBlock, ahead, plan.qscale);
       return;
     }
   }
   if constexpr (kI8Dot<TKV>) {
     if (plan.scores == Loops::kInt16 && sc.q16_ok) {
-      qk_block_i8<typename Vec::I8>(sc.q16.data() + ra * plan.dim, sc.qs.data() + ra, k, ldk,
-                                    plan.dim, rb - ra, n, S, kBlock, ahead);
+      qk_block<Int16Scores<typename Vec::I8>>(sc.q16.data() + ra * plan.dim, plan.dim, sc.qs.data() + ra, k,
+                                              ldk, plan.dim, rb - ra, n, S, kBlock, ahead);
       return;
     }
   }
-  qk_block(sc.q.data() + ra * plan.dim_pad, plan.dim_pad, k, ldk, plan.dim, rb - ra, n, S, kBlock,
-           ahead);
+  qk_block<FloatScores>(sc.q.data() + ra * plan.dim_pad, plan.dim_pad, nullptr, k, ldk, plan.dim, rb - ra, n,
+                        S, kBlock, ahead);
 }
 
 // O = alpha O + P V for the task's rows [ra, rb) over n values read in place
@@ -1307,19 +1299,19 @@ inline void weigh_in_place(const Plan& plan, Scratch& sc, int64_t ra, int64_t rb
   float* const O = sc.o.data() + ra * plan.dim_pad;
   if constexpr (kBf16Pairs<T, TKV>) {
     if (plan.weights == Loops::kBf16Pairs) {
-      pv_block_bf16<typename Vec::Bf16>(P, kBlock, v, ldv, n, O, plan.dim_pad, alpha, rb - ra, plan.dim,
-                                        sc.pb.data() + ra * kBlock, ahead);
+      pv_block<Bf16Weights<typename Vec::Bf16>>(P, kBlock, v, ldv, n, O, plan.dim_pad, alpha, rb - ra,
+                                                plan.dim, ahead, sc.pb.data() + ra * kBlock);
       return;
     }
   }
   if constexpr (kI8Dot<TKV>) {
-    if (plan.weights == Loops::kInt16 && pv_block_i8<typename Vec::I8>(P, kBlock, v, ldv, n, O, plan.dim_pad, alpha,
-                                                    rb - ra, plan.dim, sc.wq.data(),
-                                                    sc.ws.data())) {
+    if (plan.weights == Loops::kInt16 &&
+        pv_block<Int16Weights<typename Vec::I8>>(P, kBlock, v, ldv, n, O, plan.dim_pad, alpha, rb - ra,
+                                                 plan.dim, ahead, sc.wq.data(), sc.ws.data())) {
       return;
     }
   }
-  pv_block(P, kBlock, v, ldv, n, O, plan.dim_pad, alpha, rb - ra, plan.dim, ahead);
+  pv_block<FloatWeights>(P, kBlock, v, ldv, n, O, plan.dim_pad, alpha, rb - ra, plan.dim, ahead);
 }
 
 // The online softmax of a block's scores for the task's rows [ra, rb)
@@ -1516,34 +1508,30 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
         const bool pairs = kBf16Pairs<T, TKV> && plan.chunks == Chunks::kBf16Pairs;
         if (pairs) {
           if constexpr (kBf16Pairs<T, TKV>) {
-            pf.spread_over(gemm_tiles(rb - ra, n8) + gemm_tiles(rb - ra, D));
-            qk_pairs<typename Vec::Bf16>(sc.qh.data() + ra * D, kc, K.ld, n,
-                                         n8, rb - ra, D, plan.qscale, S + ra * kBlock,
-                                         reinterpret_cast<uint32_t*>(sc.kt.data()), pf);
+            qk_gemm<Bf16Scores<typename Vec::Bf16>>(sc.qh.data() + ra * D, D, kc, K.ld, 1, n, n8, D, Dp,
+                                                    plan.qscale, rb - ra, S + ra * kBlock, kBlock,
+                                                    sc.kb.data(), sc.kt.data(), pf);
           }
         } else {
-          pf.spread_over(gemm_tiles(rb - ra, n8) + gemm_tiles(rb - ra, Dp));
-          pack_kt(kc, K.ld, p.k_stride[3], n, n8, D, Dp,
-                  sc.kb.data(), sc.kt.data());
-          qk_gemm(Q + ra * Dp, Dp, sc.kt.data(), D, rb - ra, n8, S + ra * kBlock, kBlock, pf);
+          qk_gemm<FloatScores>(Q + ra * Dp, Dp, kc, K.ld, p.k_stride[3], n, n8, D, Dp, 1.f, rb - ra,
+                               S + ra * kBlock, kBlock, sc.kb.data(), sc.kt.data(), pf);
         }
         if constexpr (kQuantized) scale_columns(S, ra, rb, n, KS.at(c0) + h * p.ks_stride[1], KS.ld);
         softmax_rows(plan, sc, h * rows, ra, rb, c0, c1, n8);
         if constexpr (kQuantized) scale_columns(S, ra, rb, n, VS.at(c0) + h * p.vs_stride[1], VS.ld);
         if (pairs) {
           if constexpr (kBf16Pairs<T, TKV>) {
-            pv_pairs<typename Vec::Bf16>(S + ra * kBlock, vc, V.ld, n, n8,
-                                         rb - ra, D, O + ra * Dp, Dp, alpha + ra, sc.pb.data(),
-                                         reinterpret_cast<uint32_t*>(sc.vb.data()), pf);
+            pv_gemm<Bf16Weights<typename Vec::Bf16>>(S + ra * kBlock, kBlock, vc, V.ld, n, n8, rb - ra, D,
+                                                     O + ra * Dp, Dp, alpha + ra, sc.pb.data(),
+                                                     reinterpret_cast<uint32_t*>(sc.vb.data()), pf);
           }
         } else if (std::is_same_v<TKV, float> && plan.values_in_place()) {
-          pv_block_gemm(S + ra * kBlock, kBlock, vc, V.ld, n,
-                        O + ra * Dp, Dp, alpha + ra, rb - ra, D, pf);
+          pv_gemm<FloatWeights>(S + ra * kBlock, kBlock, vc, V.ld, n, n8, rb - ra, D, O + ra * Dp, Dp,
+                                alpha + ra, nullptr, nullptr, pf);
         } else {
-          widen_rows(vc, V.ld, p.v_stride[3], n, D, Dp,
-                     sc.vb.data());
-          pv_block_gemm(S + ra * kBlock, kBlock, static_cast<const float*>(sc.vb.data()), Dp, n,
-                        O + ra * Dp, Dp, alpha + ra, rb - ra, Dp, pf);
+          widen_rows(vc, V.ld, p.v_stride[3], n, D, Dp, sc.vb.data());
+          pv_gemm<FloatWeights>(S + ra * kBlock, kBlock, static_cast<const float*>(sc.vb.data()), Dp, n, n8,
+                                rb - ra, Dp, O + ra * Dp, Dp, alpha + ra, nullptr, nullptr, pf);
         }
         continue;
       }
@@ -1562,8 +1550,8 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
         }
       }
       if (!plan.keys_in_place()) {
-        qk_block(Q + ra * Dp, Dp, static_cast<const float*>(sc.kb.data()), Dp, Dp, rb - ra, n,
-                 S + ra * kBlock, kBlock, nullptr);
+        qk_block<FloatScores>(Q + ra * Dp, Dp, nullptr, static_cast<const float*>(sc.kb.data()), Dp, Dp,
+                              rb - ra, n, S + ra * kBlock, kBlock, nullptr);
         if constexpr (kQuantized) {
           for (int64_t j = c0; j < c1; j = run_end(j)) {
             scale_columns(S + (j - c0), ra, rb, run_end(j) - j, KS.at(j) + h * p.ks_stride[1], KS.ld);
@@ -1586,8 +1574,8 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
         }
       }
       if (!plan.values_in_place()) {
-        pv_block(S + ra * kBlock, kBlock, static_cast<const float*>(sc.vb.data()), Dp, n,
-                 O + ra * Dp, Dp, alpha + ra, rb - ra, Dp);
+        pv_block<FloatWeights>(S + ra * kBlock, kBlock, static_cast<const float*>(sc.vb.data()), Dp, n,
+                               O + ra * Dp, Dp, alpha + ra, rb - ra, Dp);
       }
     }
   }

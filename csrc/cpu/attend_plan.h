@@ -67,10 +67,10 @@ struct Plan {
   //   kInt16:     an int8 cache read with bf16 or fp16 queries, head_dim a
   //               multiple of 16 and at most 256, where the ISA has integer
   //               dot products (Vec::kI8Dot): queries and weights rounded to
-  //               int16 (qk_block_i8, pv_block_i8);
+  //               int16 (Int16Scores, Int16Weights);
   //   kBf16Pairs: bf16 queries over a bf16 cache on AVX512-BF16, head_dim a
   //               multiple of 32: bf16 pair dot products (qk_tile_bf16,
-  //               pv_block_bf16; the weights rounded to bf16 once a block).
+  //               Bf16Weights; the weights rounded to bf16 once a block).
   Loops scores = Loops::kWidened;
   Loops weights = Loops::kWidened;
   // Chunks (attend_kernel.h, "Chunks"): blocks seen by at least gemm_rows
