@@ -13,8 +13,9 @@ step (decode), the ring full (wrapped).
 * flat: the ring's step at logical context lengths 1k .. 32k (a prompt of that length written
   through the long-chunk path first): the cost must not grow with the context.
 * quantized write: an int8 ring's write of a chunk (1, 64, 8192 tokens, bfloat16 new data) by
-  ``ring_update_quantized_`` (one call) against the former three-call path (``update_quantized_``
-  into a chunk-sized staging buffer, then ``ring_update_`` for the data and for the scales).
+  ``ring_update_`` with the ring's scales (one call) against the former three-call path
+  (``update_`` with scales into a chunk-sized staging buffer, then ``ring_update_`` for the data
+  and for the scales).
 
 Every case is timed interleaved over rounds (median, min-max spread of round medians; see
 common.py), at each ``--threads`` setting. The CPU model and the attend kernel's ISA are printed.
@@ -138,15 +139,15 @@ def quantized_write_rows(args, g: torch.Generator) -> list:
                 start = torch.tensor(WINDOW + 1000, dtype=torch.int32)  # a full, wrapped ring
 
                 def fused(kn=kn, vn=vn, start=start):
-                    return ops.ring_update_quantized_(ring.keys, ring.values, ring.k_scale, ring.v_scale,
-                                                      ring.positions, kn, vn, start, sinks=ring.sinks)
+                    return ops.ring_update_(ring.keys, ring.values, ring.positions, kn, vn, start,
+                                            sinks=ring.sinks, k_scale=ring.k_scale, v_scale=ring.v_scale)
 
                 def three(kn=kn, vn=vn, start=start):
                     b, h, c, d = kn.shape
                     tk = torch.empty(b, h, c, d, dtype=torch.int8)
                     tv = torch.empty(b, h, c, d, dtype=torch.int8)
                     tks, tvs = torch.empty(b, h, c), torch.empty(b, h, c)
-                    ops.update_quantized_(tk, tv, tks, tvs, kn, vn, 0)
+                    ops.update_(tk, tv, kn, vn, 0, k_scale=tks, v_scale=tvs)
                     length = ops.ring_update_(ring.keys, ring.values, ring.positions, tk, tv, start,
                                               sinks=ring.sinks)
                     ops.ring_update_(ring.k_scale.unsqueeze(-1), ring.v_scale.unsqueeze(-1), ring.positions,
@@ -155,7 +156,7 @@ def quantized_write_rows(args, g: torch.Generator) -> list:
 
                 m = measure_many({"fused": fused, "three": three}, torch.device("cpu"), args.min_time)
                 case = f"int8 ring write, chunk {chunk}"
-                rows.append(dict(case=case, threads=n, method="ring_update_quantized_ (1 call)",
+                rows.append(dict(case=case, threads=n, method="ring_update_ with scales (1 call)",
                                  us=spread(m["fused"]), median_us=m["fused"]["median_us"],
                                  speedup=f"{m['three']['median_us'] / m['fused']['median_us']:.2f}x"))
                 rows.append(dict(case=case, threads=n, method="staging + 2x ring_update_ (3 calls)",

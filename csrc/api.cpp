@@ -37,67 +37,48 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> init_layer_cache(
                  c10::SymInt(head_dim), c10::SymInt(max_len), dtype, device);
 }
 
-at::Tensor update_(at::Tensor& keys, at::Tensor& values,
-                   const at::Tensor& keys_new, const at::Tensor& values_new,
-                   int64_t start) {
-  static const auto op =
-      typed<at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor&,
-                       const at::Tensor&, c10::SymInt)>("kvcache::update_", "");
-  return op.call(keys, values, keys_new, values_new, c10::SymInt(start));
+// The optional scales of a write: k_scale / v_scale of a quantized cache,
+// std::nullopt for a plain one (an undefined tensor).
+static std::optional<at::Tensor> scale_arg(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
 at::Tensor update_(at::Tensor& keys, at::Tensor& values,
                    const at::Tensor& keys_new, const at::Tensor& values_new,
-                   const at::Tensor& start) {
+                   int64_t start, const std::optional<at::Tensor>& k_scale,
+                   const std::optional<at::Tensor>& v_scale) {
   static const auto op =
       typed<at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor&,
-                       const at::Tensor&, const at::Tensor&)>(
-          "kvcache::update_", "Tensor");
-  return op.call(keys, values, keys_new, values_new, start);
+                       const at::Tensor&, c10::SymInt,
+                       const std::optional<at::Tensor>&,
+                       const std::optional<at::Tensor>&)>("kvcache::update_", "");
+  return op.call(keys, values, keys_new, values_new, c10::SymInt(start),
+                 k_scale, v_scale);
+}
+
+at::Tensor update_(at::Tensor& keys, at::Tensor& values,
+                   const at::Tensor& keys_new, const at::Tensor& values_new,
+                   const at::Tensor& start,
+                   const std::optional<at::Tensor>& k_scale,
+                   const std::optional<at::Tensor>& v_scale) {
+  static const auto op =
+      typed<at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor&,
+                       const at::Tensor&, const at::Tensor&,
+                       const std::optional<at::Tensor>&,
+                       const std::optional<at::Tensor>&)>("kvcache::update_",
+                                                          "Tensor");
+  return op.call(keys, values, keys_new, values_new, start, k_scale, v_scale);
 }
 
 void append_(at::Tensor& keys, at::Tensor& values, at::Tensor& lengths,
-             const at::Tensor& keys_new, const at::Tensor& values_new) {
+             const at::Tensor& keys_new, const at::Tensor& values_new,
+             const std::optional<at::Tensor>& k_scale,
+             const std::optional<at::Tensor>& v_scale) {
   static const auto op =
       typed<void(at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
-                 const at::Tensor&)>("kvcache::append_", "");
-  op.call(keys, values, lengths, keys_new, values_new);
-}
-
-at::Tensor update_quantized_(at::Tensor& keys, at::Tensor& values,
-                             at::Tensor& k_scale, at::Tensor& v_scale,
-                             const at::Tensor& keys_new,
-                             const at::Tensor& values_new, int64_t start) {
-  static const auto op =
-      typed<at::Tensor(at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,
-                       const at::Tensor&, const at::Tensor&, c10::SymInt)>(
-          "kvcache::update_quantized_", "");
-  return op.call(keys, values, k_scale, v_scale, keys_new, values_new,
-                 c10::SymInt(start));
-}
-
-at::Tensor update_quantized_(at::Tensor& keys, at::Tensor& values,
-                             at::Tensor& k_scale, at::Tensor& v_scale,
-                             const at::Tensor& keys_new,
-                             const at::Tensor& values_new,
-                             const at::Tensor& start) {
-  static const auto op =
-      typed<at::Tensor(at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,
-                       const at::Tensor&, const at::Tensor&,
-                       const at::Tensor&)>("kvcache::update_quantized_",
-                                           "Tensor");
-  return op.call(keys, values, k_scale, v_scale, keys_new, values_new, start);
-}
-
-void append_quantized_(at::Tensor& keys, at::Tensor& values,
-                       at::Tensor& k_scale, at::Tensor& v_scale,
-                       at::Tensor& lengths, const at::Tensor& keys_new,
-                       const at::Tensor& values_new) {
-  static const auto op =
-      typed<void(at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,
-                 at::Tensor&, const at::Tensor&, const at::Tensor&)>(
-          "kvcache::append_quantized_", "");
-  op.call(keys, values, k_scale, v_scale, lengths, keys_new, values_new);
+                 const at::Tensor&, const std::optional<at::Tensor>&,
+                 const std::optional<at::Tensor>&)>("kvcache::append_", "");
+  op.call(keys, values, lengths, keys_new, values_new, k_scale, v_scale);
 }
 
 at::Tensor attend(const at::Tensor& q, const at::Tensor& keys,
@@ -168,10 +149,8 @@ KVLayerCache update_kv_layer_cache(const KVLayerCache& cache,
                                    const at::Tensor& values_new,
                                    int64_t start) {
   KVLayerCache out = cache;  // shares the buffers: the update is in place
-  out.length = out.quantized()
-                   ? update_quantized_(out.keys, out.values, out.k_scale,
-                                       out.v_scale, keys_new, values_new, start)
-                   : update_(out.keys, out.values, keys_new, values_new, start);
+  out.length = update_(out.keys, out.values, keys_new, values_new, start,
+                       scale_arg(out.k_scale), scale_arg(out.v_scale));
   return out;
 }
 
@@ -180,10 +159,8 @@ KVLayerCache update_kv_layer_cache(const KVLayerCache& cache,
                                    const at::Tensor& values_new,
                                    const at::Tensor& start) {
   KVLayerCache out = cache;
-  out.length = out.quantized()
-                   ? update_quantized_(out.keys, out.values, out.k_scale,
-                                       out.v_scale, keys_new, values_new, start)
-                   : update_(out.keys, out.values, keys_new, values_new, start);
+  out.length = update_(out.keys, out.values, keys_new, values_new, start,
+                       scale_arg(out.k_scale), scale_arg(out.v_scale));
   return out;
 }
 
@@ -191,12 +168,8 @@ KVLayerCache append_kv_layer_cache(const KVLayerCache& cache,
                                    const at::Tensor& keys_new,
                                    const at::Tensor& values_new) {
   KVLayerCache c = cache;  // the same tensors: written in place
-  if (c.quantized()) {
-    append_quantized_(c.keys, c.values, c.k_scale, c.v_scale, c.length,
-                      keys_new, values_new);
-  } else {
-    append_(c.keys, c.values, c.length, keys_new, values_new);
-  }
+  append_(c.keys, c.values, c.length, keys_new, values_new,
+          scale_arg(c.k_scale), scale_arg(c.v_scale));
   return cache;
 }
 
@@ -277,27 +250,16 @@ std::vector<KVLayerCache> init_decoder_kv_caches(
 at::Tensor ring_update_(at::Tensor& keys, at::Tensor& values,
                         at::Tensor& positions, const at::Tensor& keys_new,
                         const at::Tensor& values_new, const at::Tensor& start,
-                        int64_t sinks) {
+                        int64_t sinks, const std::optional<at::Tensor>& k_scale,
+                        const std::optional<at::Tensor>& v_scale) {
   static const auto op =
       typed<at::Tensor(at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
-                       const at::Tensor&, const at::Tensor&, int64_t)>(
+                       const at::Tensor&, const at::Tensor&, int64_t,
+                       const std::optional<at::Tensor>&,
+                       const std::optional<at::Tensor>&)>(
           "kvcache::ring_update_", "");
-  return op.call(keys, values, positions, keys_new, values_new, start, sinks);
-}
-
-at::Tensor ring_update_quantized_(at::Tensor& keys, at::Tensor& values,
-                                  at::Tensor& k_scale, at::Tensor& v_scale,
-                                  at::Tensor& positions,
-                                  const at::Tensor& keys_new,
-                                  const at::Tensor& values_new,
-                                  const at::Tensor& start, int64_t sinks) {
-  static const auto op =
-      typed<at::Tensor(at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,
-                       at::Tensor&, const at::Tensor&, const at::Tensor&,
-                       const at::Tensor&, int64_t)>(
-          "kvcache::ring_update_quantized_", "");
-  return op.call(keys, values, k_scale, v_scale, positions, keys_new,
-                 values_new, start, sinks);
+  return op.call(keys, values, positions, keys_new, values_new, start, sinks,
+                 k_scale, v_scale);
 }
 
 RingLayerCache init_ring_layer_cache(int64_t batch_size, int64_t num_kv_heads,
@@ -349,9 +311,10 @@ RingKV write_ring_layer_cache(const RingLayerCache& cache,
     // The chunk's early queries need keys its own later tokens overwrite in
     // the ring: attend over the ring's slots from before the write (stale
     // positions >= start masked as empty) plus the chunk. A quantized ring's
-    // chunk is quantized for that view by update_quantized_ (the quantizer
-    // of ring_update_quantized_: exactly the bytes and scales the ring keeps;
-    // its checks name bad new data before the ring is touched).
+    // chunk is quantized for that view by update_ with scales (the
+    // quantizer of ring_update_'s quantized write: exactly the bytes and
+    // scales the ring keeps; its checks name bad new data before the ring
+    // is touched).
     at::Tensor kq = keys_new, vq = values_new, ks, vs;
     if (c.quantized()) {
       TORCH_CHECK_VALUE(keys_new.dim() == 4,
@@ -362,7 +325,7 @@ RingKV write_ring_layer_cache(const RingLayerCache& cache,
       vq = at::empty(sz, keys_new.options().dtype(c.keys.scalar_type()));
       ks = at::empty({sz[0], sz[1], sz[2]}, keys_new.options().dtype(at::kFloat));
       vs = at::empty({sz[0], sz[1], sz[2]}, keys_new.options().dtype(at::kFloat));
-      update_quantized_(kq, vq, ks, vs, keys_new, values_new, int64_t{0});
+      update_(kq, vq, keys_new, values_new, int64_t{0}, ks, vs);
     }
     at::Tensor s = c.length.to(at::kInt);
     if (s.dim() == 1) s = s.view({-1, 1});
@@ -381,12 +344,8 @@ RingKV write_ring_layer_cache(const RingLayerCache& cache,
   // One operator call: a quantized ring's data, scales and positions are
   // quantized and placed together.
   at::Tensor length =
-      c.quantized()
-          ? ring_update_quantized_(c.keys, c.values, c.k_scale, c.v_scale,
-                                   c.positions, keys_new, values_new, c.length,
-                                   c.sinks)
-          : ring_update_(c.keys, c.values, c.positions, keys_new, values_new,
-                         c.length, c.sinks);
+      ring_update_(c.keys, c.values, c.positions, keys_new, values_new,
+                   c.length, c.sinks, scale_arg(c.k_scale), scale_arg(c.v_scale));
   c.length.copy_(length);
   kv.length = c.length;
   return kv;

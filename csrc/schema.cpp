@@ -16,10 +16,15 @@
 namespace {
 
 // Which layers above the backends an operator gets (see operators.h).
-enum class Kind { Factory, Write, Read };
+enum class Kind { Factory, Write, Read, Alias };
 constexpr Kind kFactory = Kind::Factory;
 constexpr Kind kWrite = Kind::Write;
 constexpr Kind kRead = Kind::Read;
+constexpr Kind kAlias = Kind::Alias;
+
+// Whether an operator has kernels of its own per backend and the guard
+// layers above them (factories and aliases have one composite kernel).
+constexpr bool has_backends(Kind k) { return k == Kind::Write || k == Kind::Read; }
 
 }  // namespace
 
@@ -39,7 +44,7 @@ namespace {
 // served by one CompositeExplicitAutograd kernel below.
 void register_entries(torch::Library& m) {
 #define KVCACHE_IMPL(id, name, kind, stub, schema) \
-  if (k##kind != Kind::Factory) m.impl(name, &kvcache::ops::id);
+  if (has_backends(k##kind)) m.impl(name, &kvcache::ops::id);
   KVCACHE_OPERATORS(KVCACHE_IMPL)
 #undef KVCACHE_IMPL
 }
@@ -50,7 +55,7 @@ enum class Layer { Autograd, InplaceOrView, MathBits };
 
 void register_guards(torch::Library& m, Layer layer) {
 #define KVCACHE_GUARD(id, name, kind, stub, schema)                         \
-  if (k##kind != Kind::Factory) {                                          \
+  if (has_backends(k##kind)) {                                             \
     if (layer == Layer::Autograd) {                                        \
       m.impl(name, kvcache::detail::autograd_guard());                     \
     } else if (layer == Layer::MathBits) {                                 \
@@ -82,6 +87,18 @@ TORCH_LIBRARY_IMPL(kvcache, CompositeExplicitAutograd, m) {
   if (k##kind == Kind::Factory) m.impl(name, &kvcache::ops::id);
   KVCACHE_OPERATORS(KVCACHE_FACTORY)
 #undef KVCACHE_FACTORY
+}
+
+// The deprecated aliases: one kernel above every layer, calling the new
+// operator through the dispatcher, so autograd, functionalization, fake
+// tensors and torch.compile see (and decompose into) the new operator only.
+// No warning: a C++ warning raised while Dynamo traces would reach the
+// user once per compile, and the aliases are documented as deprecated.
+TORCH_LIBRARY_IMPL(kvcache, CompositeImplicitAutograd, m) {
+#define KVCACHE_ALIAS(id, name, kind, stub, schema) \
+  if (k##kind == Kind::Alias) m.impl(name, &kvcache::ops::id);
+  KVCACHE_OPERATORS(KVCACHE_ALIAS)
+#undef KVCACHE_ALIAS
 }
 
 TORCH_LIBRARY_IMPL(kvcache, Autograd, m) { register_guards(m, Layer::Autograd); }

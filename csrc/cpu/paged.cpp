@@ -1,22 +1,16 @@
 // CPU work of paged_write_ (see csrc/ops/paged.h): token t's (num_kv_heads,
 // head_dim) keys and values go to slot slot_mapping[t] of the pages, -1
-// skipped. A plain page takes one copy_block per token and buffer (its heads
-// are rows); a quantized one is quantized head by head with
-// cpu::quantize_slab (the quantizer of every other quantized write), the
-// scales beside it. The checks (every slot in range, none twice) ran before
-// anything is written, so tokens are independent and split over threads
-// when the write is large.
-#include <algorithm>
+// skipped. The slot mapping is read once into runs (neighbouring tokens
+// mapped to neighbouring slots of one page join one run), which the
+// slot-mapped write shared with the ring write (slot_write.h) copies, or
+// quantizes head by head with their scales beside them. The checks (every
+// slot in range, none twice) ran before anything is written, so runs are
+// independent and split over threads when the write is large.
 #include <vector>
-
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 
 #include "../core/params.h"
 #include "../ops/paged.h"
-#include "copy_block.h"
-#include "helpers.h"
-#include "quantize_slab.h"
+#include "slot_write.h"
 
 namespace kvcache {
 namespace {
@@ -24,78 +18,66 @@ namespace {
 using detail::KvFormat;
 using detail::PagedWriteParams;
 
-// Bytes a write must move before it is split over threads, and per task.
-constexpr int64_t kParallelBytes = int64_t(1) << 20;
-constexpr int64_t kGrainBytes = int64_t(256) << 10;
-
-template <typename T, KvFormat F>
-void quantize_token(const PagedWriteParams& p, int which, int64_t t, int64_t slot,
-                    float* row) {
-  const char* src = which == 0 ? p.k_src : p.v_src;
-  const int64_t* ss = which == 0 ? p.k_src_stride : p.v_src_stride;
-  char* pages = which == 0 ? p.k_pages : p.v_pages;
-  const int64_t* ps = which == 0 ? p.k_page_stride : p.v_page_stride;
-  float* scale = which == 0 ? p.k_scale : p.v_scale;
-  const int64_t* cs = which == 0 ? p.ks_stride : p.vs_stride;
-  const int64_t page = slot / p.block_size, off = slot % p.block_size;
-  // The heads of one slot as `num_kv_heads` slots of quantize_slab.
-  cpu::quantize_slab<T, F>(src + t * ss[0], ss[1], ss[2],
-                           pages + page * ps[0] + off * ps[1], ps[2], ps[3],
-                           scale + page * cs[0] + off * cs[1], cs[2], p.num_kv_heads,
-                           p.head_dim, row);
-}
-
-template <typename T>
-void quantize_token_as(const PagedWriteParams& p, int which, int64_t t, int64_t slot,
-                       float* row) {
-  if (p.format == KvFormat::kInt8) {
-    quantize_token<T, KvFormat::kInt8>(p, which, t, slot, row);
-  } else {
-    quantize_token<T, KvFormat::kFp8>(p, which, t, slot, row);
-  }
-}
-
-void write_token(const PagedWriteParams& p, int64_t t, std::vector<float>& row) {
-  const int64_t slot = detail::read_row(p.slots, t);
-  if (slot < 0) return;
-  if (p.format == KvFormat::kPlain) {
-    const int64_t page = slot / p.block_size, off = slot % p.block_size;
-    for (int which = 0; which < 2; ++which) {
-      const char* src = which == 0 ? p.k_src : p.v_src;
-      const int64_t* ss = which == 0 ? p.k_src_stride : p.v_src_stride;
-      char* pages = which == 0 ? p.k_pages : p.v_pages;
-      const int64_t* ps = which == 0 ? p.k_page_stride : p.v_page_stride;
-      cpu::copy_block(pages + page * ps[0] + off * ps[1], ps[2], ps[3], src + t * ss[0], ss[1],
-                      ss[2], p.num_kv_heads, p.head_dim, p.elem_size);
-    }
-    return;
-  }
-  row.resize(static_cast<size_t>(p.head_dim));
-  for (int which = 0; which < 2; ++which) {
-    switch (p.src_dtype) {
-      case at::kBFloat16: quantize_token_as<c10::BFloat16>(p, which, t, slot, row.data()); break;
-      case at::kHalf: quantize_token_as<c10::Half>(p, which, t, slot, row.data()); break;
-      default: quantize_token_as<float>(p, which, t, slot, row.data()); break;
-    }
-  }
-}
-
 void paged_write_cpu(const PagedWriteParams& p) {
-  const int64_t token_bytes = 2 * p.num_kv_heads * p.head_dim * p.elem_size;
-  const int64_t total = p.num_tokens * token_bytes;
-  if (total < kParallelBytes) {
-    std::vector<float> row;
-    for (int64_t t = 0; t < p.num_tokens; ++t) write_token(p, t, row);
-    return;
-  }
-  const int64_t per_task = std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(1, token_bytes));
-  const int64_t tasks = (p.num_tokens + per_task - 1) / per_task;
-  cpu::for_each_task(tasks, [&](int64_t i) {
-    std::vector<float> row;
-    for (int64_t t = i * per_task; t < std::min(p.num_tokens, (i + 1) * per_task); ++t) {
-      write_token(p, t, row);
+  cpu::SlotWrite w;
+  // A run's tokens step along dim 0 of the new data and along the slots of
+  // a page (dim 1 of the pages); heads along dim 1 / dim 2.
+  const int64_t* ss[2] = {p.k_src_stride, p.v_src_stride};
+  const int64_t* ps[2] = {p.k_page_stride, p.v_page_stride};
+  const int64_t* cs[2] = {p.ks_stride, p.vs_stride};
+  const bool quantized = p.format != KvFormat::kPlain;
+  for (int b = 0; b < 2; ++b) {
+    w.src_token[b] = ss[b][0];
+    w.src_head[b] = ss[b][1];
+    w.src_elem[b] = ss[b][2];
+    w.dst_token[b] = ps[b][1];
+    w.dst_head[b] = ps[b][2];
+    w.dst_elem[b] = ps[b][3];
+    if (quantized) {
+      w.scale_token[b] = cs[b][1];
+      w.scale_head[b] = cs[b][2];
     }
-  });
+  }
+  w.heads = p.num_kv_heads;
+  w.head_dim = p.head_dim;
+  w.format = p.format;
+  if (quantized) {
+    w.elem = p.src_dtype == at::kFloat ? 4 : 2;  // the source's (the pages hold one byte)
+    w.source = p.src_dtype == at::kBFloat16 ? cpu::SlotWrite::Source::kBFloat16
+               : p.src_dtype == at::kHalf   ? cpu::SlotWrite::Source::kFloat16
+                                            : cpu::SlotWrite::Source::kFloat32;
+  } else {
+    w.elem = p.elem_size;
+  }
+
+  const char* src[2] = {p.k_src, p.v_src};
+  char* pages[2] = {p.k_pages, p.v_pages};
+  float* scales[2] = {p.k_scale, p.v_scale};
+  std::vector<cpu::SlotRun> runs;
+  int64_t last = -2;  // the slot of the previous token (-2: none)
+  for (int64_t t = 0; t < p.num_tokens; ++t) {
+    const int64_t slot = detail::read_row(p.slots, t);
+    if (slot < 0) {
+      last = -2;
+      continue;
+    }
+    const int64_t page = slot / p.block_size, off = slot % p.block_size;
+    if (!runs.empty() && slot == last + 1 && off != 0) {
+      // The next slot of the same page: the previous token's run grows.
+      ++runs.back().n;
+    } else {
+      cpu::SlotRun run;
+      for (int b = 0; b < 2; ++b) {
+        run.src[b] = src[b] + t * ss[b][0];
+        run.dst[b] = pages[b] + page * ps[b][0] + off * ps[b][1];
+        if (quantized) run.scale[b] = scales[b] + page * cs[b][0] + off * cs[b][1];
+      }
+      run.n = 1;
+      runs.push_back(run);
+    }
+    last = slot;
+  }
+  cpu::write_slot_runs(w, std::move(runs));
 }
 
 }  // namespace

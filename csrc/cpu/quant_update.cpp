@@ -1,5 +1,6 @@
-// CPU work of update_quantized_, update_quantized_.Tensor and
-// append_quantized_ (see csrc/ops/update.h; formats in csrc/core/quant.h).
+// CPU work of the quantized format of update_, update_.Tensor, append_ and
+// append_returning_ (k_scale / v_scale given; see csrc/ops/update.h; formats
+// in csrc/core/quant.h).
 //
 // One pass over (buffer, batch, head) slabs, each quantized by
 // cpu::quantize_slab (quantize_slab.h, shared with the quantized ring
@@ -65,7 +66,7 @@ void quant_update_typed(const QuantUpdateParams& q) {
       });
     }
   }
-  // After the write: for append_quantized_, lengths_out is the start tensor
+  // After the write: for append_, lengths_out is the start tensor
   // itself, whose values were copied to host_starts by the checks.
   const int64_t n = p.lengths_out.numel;
   for (int64_t i = 0; i < n; ++i) {

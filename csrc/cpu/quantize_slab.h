@@ -1,6 +1,6 @@
 // The CPU quantizer of one (buffer, row, head) run of slots, shared by the
-// linear quantized writes (quant_update.cpp) and the quantized ring write
-// (ring.cpp): each slot's head_dim elements are read once into float32,
+// linear quantized writes (quant_update.cpp) and the slot-mapped ones, ring
+// and paged (slot_write.h): each slot's head_dim elements are read once into float32,
 // their absmax gives the slot's scale, and they are written quantized next
 // to it (formats in csrc/core/quant.h).
 #pragma once

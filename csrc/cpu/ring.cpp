@@ -1,25 +1,18 @@
-// CPU work of ring_update_ (see csrc/ops/ring.h).
+// CPU work of ring_update_, plain and quantized (see csrc/ops/ring.h).
 //
-// Per row, the kept positions of a write (ring_keeps) fall into at most
-// three runs of consecutive slots: the sinks, then the ring part up to the
-// end of the buffer, then its wrap to slot `sinks`. Each run of each (buffer,
-// head) slab is one copy_block; the positions of the run are written after
-// the keys and values of the row (the checks ran before anything).
-//
-// ring_update_quantized_ walks the same runs, quantizing each straight into
-// its slots with cpu::quantize_slab (the quantizer of update_quantized_),
-// the slot scales next to it.
+// The ring's slot mapping in closed form: per row, the kept positions of a
+// write (ring_keeps) fall into at most three runs of consecutive slots: the
+// sinks, then the ring part up to the end of the buffer, then its wrap to
+// slot `sinks`. The runs go to the slot-mapped write shared with the paged
+// write (slot_write.h: a copy, or quantize_slab with the scales, per run and
+// head); the positions of the runs are written after the data (the checks
+// ran before anything).
 #include <algorithm>
 #include <vector>
 
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-
 #include "../core/visibility.h"
 #include "../ops/ring.h"
-#include "copy_block.h"
-#include "helpers.h"
-#include "quantize_slab.h"
+#include "slot_write.h"
 
 namespace kvcache {
 namespace {
@@ -68,42 +61,31 @@ void write_positions(const RingUpdateParams& p, int64_t b, int64_t start,
   }
 }
 
-void ring_update_cpu(const RingUpdateParams& p) {
-  const bool per_row = p.starts.numel > 1 || p.starts.stride != 0;
-  auto start_of = [&](int64_t b) { return p.host_starts[per_row ? b : 0]; };
-  for (int64_t b = 0; b < p.batch; ++b) {
-    Run runs[3];
-    const int count = ring_runs(p, start_of(b), runs);
-    if (p.head_dim > 0) {
-      for (int w = 0; w < 2; ++w) {
-        const detail::DstRows& d = p.dst[w];
-        const detail::SrcRows& s = p.src[w];
-        for (int64_t h = 0; h < p.heads; ++h) {
-          for (int r = 0; r < count; ++r) {
-            const Run& run = runs[r];
-            cpu::copy_block(
-                d.data + b * d.stride[0] + h * d.stride[1] + run.slot * d.stride[2],
-                d.stride[2], d.stride[3],
-                s.data + b * s.stride[0] + h * s.stride[1] + run.t * s.stride[2],
-                s.stride[2], s.stride[3], run.n, p.head_dim, p.elem);
-          }
-        }
+// Row b's runs as slot-mapped runs of the shared write (scales: the
+// quantized write's, else null).
+void add_runs(const RingUpdateParams& p, int64_t b, const Run* runs, int count,
+              float* const* scale, const int64_t (*scale_stride)[3],
+              std::vector<cpu::SlotRun>& out) {
+  for (int r = 0; r < count; ++r) {
+    cpu::SlotRun run;
+    for (int w = 0; w < 2; ++w) {
+      const detail::DstRows& d = p.dst[w];
+      const detail::SrcRows& s = p.src[w];
+      run.src[w] = s.data + b * s.stride[0] + runs[r].t * s.stride[2];
+      run.dst[w] = d.data + b * d.stride[0] + runs[r].slot * d.stride[2];
+      if (scale != nullptr) {
+        run.scale[w] = scale[w] + b * scale_stride[w][0] + runs[r].slot * scale_stride[w][2];
       }
     }
-    write_positions(p, b, start_of(b), runs, count);
-  }
-  for (int64_t i = 0; i < p.lengths_out.numel; ++i) {
-    detail::write_row(p.lengths_out, i, start_of(i) + p.chunk);
+    run.n = runs[r].n;
+    out.push_back(run);
   }
 }
 
-// As csrc/cpu/quant_update.cpp: helper threads join only for big writes.
-constexpr int64_t kQuantParallelBytes = int64_t{8} << 20;
-constexpr int64_t kQuantGrainBytes = int64_t{256} << 10;
-
-template <typename T, detail::KvFormat F>
-void ring_quant_typed(const detail::RingQuantUpdateParams& q) {
-  const RingUpdateParams& p = q.ring;
+// Both formats: the runs of every row written by the shared core, then the
+// positions and the lengths.
+void ring_write(const RingUpdateParams& p, const cpu::SlotWrite& w, float* const* scale,
+                const int64_t (*scale_stride)[3]) {
   const bool per_row = p.starts.numel > 1 || p.starts.stride != 0;
   auto start_of = [&](int64_t b) { return p.host_starts[per_row ? b : 0]; };
   struct RowRuns {
@@ -111,49 +93,12 @@ void ring_quant_typed(const detail::RingQuantUpdateParams& q) {
     int count = 0;
   };
   std::vector<RowRuns> rows(static_cast<size_t>(p.batch));
-  int64_t kept = 0;  // slots written per (buffer, head)
+  std::vector<cpu::SlotRun> slot_runs;
   for (int64_t b = 0; b < p.batch; ++b) {
     rows[b].count = ring_runs(p, start_of(b), rows[b].runs);
-    for (int r = 0; r < rows[b].count; ++r) kept += rows[b].runs[r].n;
+    add_runs(p, b, rows[b].runs, rows[b].count, scale, scale_stride, slot_runs);
   }
-  const int64_t slabs = p.batch * p.heads;
-  if (slabs > 0 && p.head_dim > 0 && kept > 0) {
-    auto work = [&](int64_t begin, int64_t end) {
-      std::vector<float> row(static_cast<size_t>(p.head_dim));
-      for (int64_t i = begin; i < end; ++i) {
-        const int w = i >= slabs ? 1 : 0;
-        const int64_t bh = i - w * slabs;
-        const int64_t b = bh / p.heads;
-        const int64_t h = bh - b * p.heads;
-        const detail::DstRows& d = p.dst[w];
-        const detail::SrcRows& s = p.src[w];
-        const int64_t* ss = q.scale_stride[w];
-        for (int r = 0; r < rows[b].count; ++r) {
-          const Run& run = rows[b].runs[r];
-          cpu::quantize_slab<T, F>(
-              s.data + b * s.stride[0] + h * s.stride[1] + run.t * s.stride[2],
-              s.stride[2], s.stride[3],
-              d.data + b * d.stride[0] + h * d.stride[1] + run.slot * d.stride[2],
-              d.stride[2], d.stride[3],
-              q.scale[w] + b * ss[0] + h * ss[1] + run.slot * ss[2], ss[2],
-              run.n, p.head_dim, row.data());
-        }
-      }
-    };
-    // Bytes read: kept slots of head_dim source elements, both buffers.
-    const int64_t total = 2 * p.heads * kept * p.head_dim * p.elem;
-    if (total < kQuantParallelBytes) {
-      work(0, 2 * slabs);
-    } else {
-      const int64_t slab_bytes =
-          std::max<int64_t>(1, total / std::max<int64_t>(1, 2 * slabs));
-      const int64_t per_task = std::max<int64_t>(1, kQuantGrainBytes / slab_bytes);
-      const int64_t tasks = (2 * slabs + per_task - 1) / per_task;
-      cpu::for_each_task(tasks, [&](int64_t t) {
-        work(t * per_task, std::min(2 * slabs, (t + 1) * per_task));
-      });
-    }
-  }
+  cpu::write_slot_runs(w, std::move(slot_runs));
   for (int64_t b = 0; b < p.batch; ++b) {
     write_positions(p, b, start_of(b), rows[b].runs, rows[b].count);
   }
@@ -162,21 +107,40 @@ void ring_quant_typed(const detail::RingQuantUpdateParams& q) {
   }
 }
 
-template <detail::KvFormat F>
-void ring_quant_format(const detail::RingQuantUpdateParams& q) {
-  switch (q.src_dtype) {
-    case detail::FloatDtype::kFloat32: return ring_quant_typed<float, F>(q);
-    case detail::FloatDtype::kBFloat16: return ring_quant_typed<c10::BFloat16, F>(q);
-    case detail::FloatDtype::kFloat16: return ring_quant_typed<c10::Half, F>(q);
+// The geometry of a ring's runs: a token of the new data and a slot of the
+// ring are one position step apart, heads one head step.
+cpu::SlotWrite ring_geometry(const RingUpdateParams& p) {
+  cpu::SlotWrite w;
+  for (int b = 0; b < 2; ++b) {
+    w.src_token[b] = p.src[b].stride[2];
+    w.src_head[b] = p.src[b].stride[1];
+    w.src_elem[b] = p.src[b].stride[3];
+    w.dst_token[b] = p.dst[b].stride[2];
+    w.dst_head[b] = p.dst[b].stride[1];
+    w.dst_elem[b] = p.dst[b].stride[3];
   }
+  w.heads = p.heads;
+  w.head_dim = p.head_dim;
+  w.elem = p.elem;
+  return w;
+}
+
+void ring_update_cpu(const RingUpdateParams& p) {
+  ring_write(p, ring_geometry(p), nullptr, nullptr);
 }
 
 void ring_update_quantized_cpu(const detail::RingQuantUpdateParams& q) {
-  if (q.format == detail::KvFormat::kInt8) {
-    ring_quant_format<detail::KvFormat::kInt8>(q);
-  } else {
-    ring_quant_format<detail::KvFormat::kFp8>(q);
+  cpu::SlotWrite w = ring_geometry(q.ring);
+  for (int b = 0; b < 2; ++b) {
+    w.scale_token[b] = q.scale_stride[b][2];
+    w.scale_head[b] = q.scale_stride[b][1];
   }
+  w.format = q.format;
+  w.source = q.src_dtype == detail::FloatDtype::kBFloat16 ? cpu::SlotWrite::Source::kBFloat16
+             : q.src_dtype == detail::FloatDtype::kFloat16
+                 ? cpu::SlotWrite::Source::kFloat16
+                 : cpu::SlotWrite::Source::kFloat32;
+  ring_write(q.ring, w, q.scale, q.scale_stride);
 }
 
 }  // namespace

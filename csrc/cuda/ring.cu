@@ -13,10 +13,11 @@
 // (-1) writes nothing: one bad row stops every write, with no host sync
 // (CUDA-graph safe).
 //
-// ring_update_quantized_: the same validation pass, then one kernel: one
+// ring_update_ with scales (a quantized ring): the same validation pass, then
+// one kernel: one
 // warp per (buffer, batch row, head, token) quantizes the token straight
 // into its slot and writes its scale (cuda::quantize_slot, the quantizer of
-// update_quantized_); tokens the ring does not keep are skipped, and the
+// update_ with scales); tokens the ring does not keep are skipped, and the
 // warps of buffer 0, head 0 write the positions.
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
@@ -240,7 +241,7 @@ void ring_update_quantized_cuda(const detail::RingQuantUpdateParams& q) {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   // No slab or no token: nothing to write but the lengths. head_dim == 0:
-  // positions only, no scale (as update_quantized_ writes none); the warps
+  // positions only, no scale (as update_ with scales writes none); the warps
   // still run for the positions.
   if (slabs == 0 || p.chunk == 0) return;
   RingQuantArgs a{};

@@ -159,7 +159,7 @@ void update_cuda(const UpdateParams& p) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// ---- The quantized writes (update_quantized_*, append_quantized_) --------
+// ---- The quantized format of the writes (update_*, append_* with scales) --
 //
 // Same positions and failure rule as above (validate_starts_kernel for
 // device starts, then one write kernel that reads its row's checked end).

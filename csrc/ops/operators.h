@@ -13,9 +13,23 @@
 //   kind    Factory: no tensor input, one CompositeExplicitAutograd kernel;
 //           Write: mutates its (a!) tensors (backends, autograd refusal,
 //           version bump, lazy conj/neg refusal);
-//           Read: backends, autograd refusal, conj/neg materialized
-//   stub    the DeviceStub holding its CPU and CUDA work (NoStub: none)
+//           Read: backends, autograd refusal, conj/neg materialized;
+//           Alias: a deprecated name of another operator, kept for one
+//           release: one CompositeImplicitAutograd kernel that calls that
+//           operator through the dispatcher (so tracing decomposes it into
+//           the new operator, whose kernels, guards and fake kernel serve
+//           it; no fake kernel, stub or guard of its own)
+//   stub    the DeviceStub holding its CPU and CUDA work (NoStub: none;
+//           update_stubs / ring_update_stubs: a write's plain and quantized
+//           stubs)
 //   schema  the schema after "kvcache::"
+//
+// Writes take their format from the cache's dtype and optional scales, one
+// schema per kind of position (host start, device start, lengths, ring
+// start, slot mapping), not one per format. The scales are named as the
+// Python and C++ APIs name a cache's fields and as attend (which reads the
+// same tensors) names them: k_scale / v_scale for a contiguous cache or a
+// ring; the paged operators keep vLLM's key_scales / value_scales.
 //
 // What each operator does (the full contract is in its csrc/ops/<op>.h):
 //   init_layer_cache  zero-filled keys and values (batch_size, num_kv_heads,
@@ -29,15 +43,20 @@
 //       (one dispatch per decode step). A host start (a SymInt: a changing
 //       Python int does not recompile) or a start tensor read on the device
 //       (int32/int64, 0-D or (batch,); no host sync, CUDA-graph safe), as
-//       fill_.Scalar / fill_.Tensor.
+//       fill_.Scalar / fill_.Tensor. The format comes from the cache's
+//       dtype and the keyword-only k_scale / v_scale (both or neither): with
+//       them keys / values are int8 or float8_e4m3fn (formats in
+//       core/quant.h), keys_new / values_new (float32, bfloat16 or float16)
+//       are quantized per (row, KV head, slot) and their float32 scales
+//       written into k_scale / v_scale (batch, num_kv_heads, max_len);
+//       without them keys_new has the cache's dtype and is copied as is.
 //   append_  update_.Tensor at start = lengths, lengths advanced by chunk in
 //       place: one call per layer per step on a caller-owned length tensor.
+//       The same optional scales.
 //   update_quantized_ / update_quantized_.Tensor / append_quantized_  the
-//       three writes for a quantized cache (int8 or float8_e4m3fn keys and
-//       values, formats in core/quant.h): keys_new / values_new (float32,
-//       bfloat16 or float16) are quantized per (row, KV head, slot) and
-//       written with their float32 scales into k_scale / v_scale
-//       (batch, num_kv_heads, max_len), same starts, checks and results.
+//       deprecated aliases (kind Alias, kept for one release) of update_ /
+//       update_.Tensor / append_ with k_scale and v_scale given
+//       (positionally, after values).
 //   attend  attention of q (batch, num_heads, seq, head_dim) over the filled
 //       slots: query i of row b sits at slot lengths[b] - seq + i and sees
 //       the slots from kv_start[b] (default 0) up to itself (with window > 0
@@ -61,7 +80,7 @@
 //       index[b], in place; returns lengths[index].
 //   append_returning_  append_ that returns the new lengths (a new tensor of
 //       lengths' dtype and shape) instead of writing them, with append_'s
-//       checks and messages: what traced code calls instead of append_ (the
+//       checks, messages and optional scales: what traced code calls instead of append_ (the
 //       Python API copies the result into lengths; see rows.h for the
 //       Inductor bug an in-place length write meets).
 //   reset_rows  the lengths with the given rows emptied (rows: a (batch,)
@@ -79,14 +98,16 @@
 //       sinks) mod (capacity - sinks); only what the ring keeps is written
 //       (the sinks and the last capacity - sinks positions). start: int32/
 //       int64, 0-D or (batch,), read on the device. Returns start + chunk
-//       (int32); on CUDA a bad start writes nothing and returns -1.
-//   ring_update_quantized_  ring_update_ for a quantized ring (int8 or
-//       float8_e4m3fn keys / values, float32 k_scale / v_scale (batch,
-//       num_kv_heads, capacity)): keys_new / values_new (float32, bfloat16
-//       or float16) are quantized per (row, KV head, position) as
-//       update_quantized_ does and written with their scales at the slots
-//       ring_update_ picks, positions recorded, in one pass (one CUDA launch
-//       after the start check); same starts, checks and results.
+//       (int32); on CUDA a bad start writes nothing and returns -1. With
+//       k_scale / v_scale (keyword-only, float32 (batch, num_kv_heads,
+//       capacity)) the ring is quantized (int8 or float8_e4m3fn keys /
+//       values): keys_new / values_new (float32, bfloat16 or float16) are
+//       quantized per (row, KV head, position) as update_ does and written
+//       with their scales at the same slots, positions recorded, in one pass
+//       (one CUDA launch after the start check).
+//   ring_update_quantized_  the deprecated alias (kind Alias, kept for one
+//       release) of ring_update_ with k_scale and v_scale given
+//       (positionally, after values).
 //
 //   paged_write_ / paged_attend  pages (num_blocks, block_size,
 //       num_kv_heads, head_dim) for many sequences (continuous batching),
@@ -109,25 +130,27 @@
     "init_layer_cache(SymInt batch_size, SymInt num_kv_heads, "               \
     "SymInt head_dim, SymInt max_len, *, ScalarType? dtype=None, "            \
     "Device? device=None) -> (Tensor, Tensor, Tensor)")                       \
-  X(update_, "update_", Write, update_stub,                                   \
+  X(update_, "update_", Write, update_stubs,                                  \
     "update_(Tensor(a!) keys, Tensor(b!) values, Tensor keys_new, "           \
-    "Tensor values_new, SymInt start) -> Tensor")                             \
-  X(update_tensor_, "update_.Tensor", Write, update_stub,                     \
+    "Tensor values_new, SymInt start, *, Tensor(c!)? k_scale=None, "          \
+    "Tensor(d!)? v_scale=None) -> Tensor")                                    \
+  X(update_tensor_, "update_.Tensor", Write, update_stubs,                    \
     "update_.Tensor(Tensor(a!) keys, Tensor(b!) values, Tensor keys_new, "    \
-    "Tensor values_new, Tensor start) -> Tensor")                             \
-  X(append_, "append_", Write, update_stub,                                   \
+    "Tensor values_new, Tensor start, *, Tensor(c!)? k_scale=None, "          \
+    "Tensor(d!)? v_scale=None) -> Tensor")                                    \
+  X(append_, "append_", Write, update_stubs,                                  \
     "append_(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) lengths, "        \
-    "Tensor keys_new, Tensor values_new) -> ()")                              \
-  X(update_quantized_, "update_quantized_", Write, quant_update_stub,         \
+    "Tensor keys_new, Tensor values_new, *, Tensor(d!)? k_scale=None, "       \
+    "Tensor(e!)? v_scale=None) -> ()")                                        \
+  X(update_quantized_, "update_quantized_", Alias, NoStub,                    \
     "update_quantized_(Tensor(a!) keys, Tensor(b!) values, "                  \
     "Tensor(c!) k_scale, Tensor(d!) v_scale, Tensor keys_new, "               \
     "Tensor values_new, SymInt start) -> Tensor")                             \
-  X(update_quantized_tensor_, "update_quantized_.Tensor", Write,              \
-    quant_update_stub,                                                        \
+  X(update_quantized_tensor_, "update_quantized_.Tensor", Alias, NoStub,      \
     "update_quantized_.Tensor(Tensor(a!) keys, Tensor(b!) values, "           \
     "Tensor(c!) k_scale, Tensor(d!) v_scale, Tensor keys_new, "               \
     "Tensor values_new, Tensor start) -> Tensor")                             \
-  X(append_quantized_, "append_quantized_", Write, quant_update_stub,         \
+  X(append_quantized_, "append_quantized_", Alias, NoStub,                    \
     "append_quantized_(Tensor(a!) keys, Tensor(b!) values, "                  \
     "Tensor(c!) k_scale, Tensor(d!) v_scale, Tensor(e!) lengths, "            \
     "Tensor keys_new, Tensor values_new) -> ()")                              \
@@ -142,19 +165,19 @@
   X(select_rows_, "select_rows_", Write, select_rows_stub,                    \
     "select_rows_(Tensor(a!) keys, Tensor(b!) values, Tensor lengths, "       \
     "Tensor index) -> Tensor")                                                \
-  X(append_returning_, "append_returning_", Write, update_stub,               \
+  X(append_returning_, "append_returning_", Write, update_stubs,             \
     "append_returning_(Tensor(a!) keys, Tensor(b!) values, Tensor lengths, "  \
-    "Tensor keys_new, Tensor values_new) -> Tensor")                          \
+    "Tensor keys_new, Tensor values_new, *, Tensor(c!)? k_scale=None, "       \
+    "Tensor(d!)? v_scale=None) -> Tensor")                                    \
   X(reset_rows, "reset_rows", Read, reset_rows_stub,                          \
     "reset_rows(Tensor lengths, Tensor rows) -> Tensor")                      \
   X(check_lengths_writable, "check_lengths_writable", Read, NoStub,           \
     "check_lengths_writable(Tensor lengths) -> ()")                          \
-  X(ring_update_, "ring_update_", Write, ring_update_stub,                    \
+  X(ring_update_, "ring_update_", Write, ring_update_stubs,                   \
     "ring_update_(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) positions, " \
-    "Tensor keys_new, Tensor values_new, Tensor start, *, int sinks=0) "      \
-    "-> Tensor")                                                              \
-  X(ring_update_quantized_, "ring_update_quantized_", Write,                  \
-    ring_update_quantized_stub,                                               \
+    "Tensor keys_new, Tensor values_new, Tensor start, *, int sinks=0, "      \
+    "Tensor(d!)? k_scale=None, Tensor(e!)? v_scale=None) -> Tensor")          \
+  X(ring_update_quantized_, "ring_update_quantized_", Alias, NoStub,          \
     "ring_update_quantized_(Tensor(a!) keys, Tensor(b!) values, "             \
     "Tensor(c!) k_scale, Tensor(d!) v_scale, Tensor(e!) positions, "          \
     "Tensor keys_new, Tensor values_new, Tensor start, *, int sinks=0) "      \

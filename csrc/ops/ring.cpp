@@ -1,5 +1,6 @@
 #include "ring.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
@@ -31,29 +32,18 @@ void check_positions(const at::Tensor& positions, const c10::SymInt& batch,
   check_device(positions, device, "positions", "the cache's device");
 }
 
-namespace {
-
-// The scales of a quantized ring write (both null: a plain one).
-struct RingScales {
-  const at::Tensor* k = nullptr;
-  const at::Tensor* v = nullptr;
-};
-
-std::vector<int64_t> check_ring_update_impl(
+std::vector<int64_t> check_ring_update(
     const at::Tensor& keys, const at::Tensor& values,
     const at::Tensor& positions, const at::Tensor& keys_new,
     const at::Tensor& values_new, const at::Tensor& start, int64_t sinks,
-    bool values_known, const RingScales& sc) {
-  // Shapes, dtypes, devices, the start's metadata and the aliasing rules of
-  // update_.Tensor / update_quantized_.Tensor (new data may not view the
-  // cache at all; the scales' shapes, dtype and aliasing); not the start's
-  // values, whose bound differs (a ring has no end).
-  if (sc.k == nullptr) {
-    check_update_tensor(keys, values, keys_new, values_new, start, false);
-  } else {
-    check_update_quantized_tensor(keys, values, *sc.k, *sc.v, keys_new,
-                                  values_new, start, false);
-  }
+    bool values_known, const std::optional<at::Tensor>& k_scale,
+    const std::optional<at::Tensor>& v_scale) {
+  // Shapes, dtypes, devices, the start's metadata, the scales (both or
+  // neither; their shapes, dtype and aliasing) and the aliasing rules of
+  // update_.Tensor (new data may not view the cache at all); not the
+  // start's values, whose bound differs (a ring has no end).
+  check_update_tensor(keys, values, keys_new, values_new, start, false,
+                      k_scale, v_scale);
   const c10::SymInt capacity = keys.sym_size(2);
   check_positions(positions, keys.sym_size(0), capacity, keys.device());
   check_writable(positions, "positions");
@@ -70,8 +60,8 @@ std::vector<int64_t> check_ring_update_impl(
     TORCH_CHECK_VALUE(!overlaps(pb, box_of(t)),
                       "positions must not share memory with ", name);
   }
-  if (sc.k != nullptr) {
-    TORCH_CHECK_VALUE(!overlaps(pb, box_of(*sc.k)) && !overlaps(pb, box_of(*sc.v)),
+  if (k_scale.has_value()) {  // both: check_update_tensor refused one alone
+    TORCH_CHECK_VALUE(!overlaps(pb, box_of(*k_scale)) && !overlaps(pb, box_of(*v_scale)),
                       "positions must not share memory with k_scale or v_scale");
   }
   TORCH_CHECK_VALUE(sinks >= 0, "sinks must be >= 0, got ", sinks);
@@ -96,29 +86,6 @@ std::vector<int64_t> check_ring_update_impl(
     starts[b] = s;
   }
   return starts;
-}
-
-}  // namespace
-
-std::vector<int64_t> check_ring_update(const at::Tensor& keys,
-                                       const at::Tensor& values,
-                                       const at::Tensor& positions,
-                                       const at::Tensor& keys_new,
-                                       const at::Tensor& values_new,
-                                       const at::Tensor& start, int64_t sinks,
-                                       bool values_known) {
-  return check_ring_update_impl(keys, values, positions, keys_new, values_new,
-                                start, sinks, values_known, RingScales{});
-}
-
-std::vector<int64_t> check_ring_update_quantized(
-    const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k_scale,
-    const at::Tensor& v_scale, const at::Tensor& positions,
-    const at::Tensor& keys_new, const at::Tensor& values_new,
-    const at::Tensor& start, int64_t sinks, bool values_known) {
-  return check_ring_update_impl(keys, values, positions, keys_new, values_new,
-                                start, sinks, values_known,
-                                RingScales{&k_scale, &v_scale});
 }
 
 }  // namespace detail
@@ -162,13 +129,23 @@ detail::RingUpdateParams ring_params(at::Tensor& keys, at::Tensor& values,
 at::Tensor ring_update_(at::Tensor& keys, at::Tensor& values,
                         at::Tensor& positions, const at::Tensor& keys_new,
                         const at::Tensor& values_new, const at::Tensor& start,
-                        int64_t sinks) {
-  const auto starts = detail::check_ring_update(
-      keys, values, positions, keys_new, values_new, start, sinks, true);
+                        int64_t sinks, const std::optional<at::Tensor>& k_scale,
+                        const std::optional<at::Tensor>& v_scale) {
+  const auto starts =
+      detail::check_ring_update(keys, values, positions, keys_new, values_new,
+                                start, sinks, true, k_scale, v_scale);
   at::Tensor length = at::empty(start.sizes(), keys.options().dtype(at::kInt));
   const auto p = ring_params(keys, values, positions, keys_new, values_new,
                              start, sinks, starts, length);
-  detail::ring_update_stub.get(keys.device().type(), "ring_update_")(p);
+  if (!k_scale.has_value()) {
+    detail::ring_update_stub.get(keys.device().type(), "ring_update_")(p);
+    return length;
+  }
+  detail::RingQuantUpdateParams q;
+  q.ring = p;
+  q.ring.elem = static_cast<int64_t>(keys_new.element_size());  // source elements
+  detail::fill_quant_fields(q, keys, keys_new, *k_scale, *v_scale);
+  detail::ring_update_quantized_stub.get(keys.device().type(), "ring_update_")(q);
   return length;
 }
 
@@ -178,18 +155,17 @@ at::Tensor ring_update_quantized_(at::Tensor& keys, at::Tensor& values,
                                   const at::Tensor& keys_new,
                                   const at::Tensor& values_new,
                                   const at::Tensor& start, int64_t sinks) {
-  const auto starts = detail::check_ring_update_quantized(
-      keys, values, k_scale, v_scale, positions, keys_new, values_new, start,
-      sinks, true);
-  at::Tensor length = at::empty(start.sizes(), keys.options().dtype(at::kInt));
-  detail::RingQuantUpdateParams q;
-  q.ring = ring_params(keys, values, positions, keys_new, values_new, start,
-                       sinks, starts, length);
-  q.ring.elem = static_cast<int64_t>(keys_new.element_size());  // source elements
-  detail::fill_quant_fields(q, keys, keys_new, k_scale, v_scale);
-  detail::ring_update_quantized_stub.get(keys.device().type(),
-                                         "ring_update_quantized_")(q);
-  return length;
+  // Through the dispatcher: tracing decomposes the alias into ring_update_.
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("kvcache::ring_update_", "")
+          .typed<at::Tensor(at::Tensor&, at::Tensor&, at::Tensor&,
+                            const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, int64_t,
+                            const std::optional<at::Tensor>&,
+                            const std::optional<at::Tensor>&)>();
+  return op.call(keys, values, positions, keys_new, values_new, start, sinks,
+                 k_scale, v_scale);
 }
 
 }  // namespace ops

@@ -11,19 +11,25 @@
 // writes only what the ring keeps (ring_keeps), so each slot is written at
 // most once. attend reads a ring with its `positions` argument.
 //
-// ring_update_quantized_ is the same write for a quantized ring (int8 /
-// float8_e4m3fn keys and values with float32 scales (batch, heads,
-// capacity), formats in csrc/core/quant.h): each kept position of the
-// float32 / bfloat16 / float16 new data is quantized straight into its slot
-// and its scale next to it, with ring_update_'s positions, slot rule and
-// results and update_quantized_'s checks of the data and scales, in one
-// pass (one CUDA launch after the start check) instead of a staging buffer
-// and two ring copies.
+// With k_scale / v_scale (keyword-only, both or neither) the same write is
+// the one of a quantized ring (int8 / float8_e4m3fn keys and values with
+// float32 scales (batch, heads, capacity), formats in csrc/core/quant.h):
+// each kept position of the float32 / bfloat16 / float16 new data is
+// quantized straight into its slot and its scale next to it, with the plain
+// write's positions, slot rule and results and update_'s checks of the data
+// and scales (csrc/ops/update.h), in one pass (one CUDA launch after the
+// start check) instead of a staging buffer and two ring copies. The format
+// comes from the cache's dtype and the scales, as for update_.
+//
+// ring_update_quantized_ is a deprecated alias (kept for one release) of
+// ring_update_ with the scales given: a CompositeImplicitAutograd kernel
+// that calls ring_update_ through the dispatcher.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/SymInt.h>
 
+#include <optional>
 #include <vector>
 
 #include "../core/device_stub.h"
@@ -80,11 +86,14 @@ KVCACHE_API void check_positions(const at::Tensor& positions,
 
 // Checks shared with the fake kernel (values_known false while tracing).
 // Returns the checked starts when they can be read here (CPU, eager).
+// k_scale / v_scale: as check_update's (csrc/ops/update.h), plus: no byte
+// shared with positions.
 KVCACHE_API std::vector<int64_t> check_ring_update(
     const at::Tensor& keys, const at::Tensor& values,
     const at::Tensor& positions, const at::Tensor& keys_new,
     const at::Tensor& values_new, const at::Tensor& start, int64_t sinks,
-    bool values_known);
+    bool values_known, const std::optional<at::Tensor>& k_scale = std::nullopt,
+    const std::optional<at::Tensor>& v_scale = std::nullopt);
 
 // The checks with the schema's arguments, as the fake kernel runs them.
 inline void trace_check_ring_update_(const at::Tensor& keys,
@@ -92,27 +101,30 @@ inline void trace_check_ring_update_(const at::Tensor& keys,
                                      const at::Tensor& positions,
                                      const at::Tensor& keys_new,
                                      const at::Tensor& values_new,
-                                     const at::Tensor& start, int64_t sinks) {
+                                     const at::Tensor& start, int64_t sinks,
+                                     const std::optional<at::Tensor>& k_scale,
+                                     const std::optional<at::Tensor>& v_scale) {
   check_ring_update(keys, values, positions, keys_new, values_new, start,
-                    sinks, false);
+                    sinks, false, k_scale, v_scale);
 }
 
-// ring_update_quantized_'s checks: update_quantized_.Tensor's checks of the
-// cache, new data, scales and start metadata, then ring_update_'s of the
-// positions, sinks and (values_known, CPU) start values.
-KVCACHE_API std::vector<int64_t> check_ring_update_quantized(
-    const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k_scale,
-    const at::Tensor& v_scale, const at::Tensor& positions,
-    const at::Tensor& keys_new, const at::Tensor& values_new,
-    const at::Tensor& start, int64_t sinks, bool values_known);
-
+// The deprecated alias's checks: ring_update_'s with both scales given.
 inline void trace_check_ring_update_quantized_(
     const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k_scale,
     const at::Tensor& v_scale, const at::Tensor& positions,
     const at::Tensor& keys_new, const at::Tensor& values_new,
     const at::Tensor& start, int64_t sinks) {
-  check_ring_update_quantized(keys, values, k_scale, v_scale, positions,
-                              keys_new, values_new, start, sinks, false);
+  check_ring_update(keys, values, positions, keys_new, values_new, start,
+                    sinks, false, k_scale, v_scale);
+}
+
+// ring_update_'s stub column in operators.h: device work on a backend when
+// both formats have a kernel there.
+struct RingUpdateStubs {};
+inline constexpr RingUpdateStubs ring_update_stubs{};
+inline bool has_cuda_work(RingUpdateStubs) {
+  return ring_update_stub.cuda != nullptr &&
+         ring_update_quantized_stub.cuda != nullptr;
 }
 
 }  // namespace detail
@@ -122,8 +134,11 @@ namespace ops {
 at::Tensor ring_update_(at::Tensor& keys, at::Tensor& values,
                         at::Tensor& positions, const at::Tensor& keys_new,
                         const at::Tensor& values_new, const at::Tensor& start,
-                        int64_t sinks);
+                        int64_t sinks, const std::optional<at::Tensor>& k_scale,
+                        const std::optional<at::Tensor>& v_scale);
 
+// The deprecated alias (CompositeImplicitAutograd): ring_update_ through
+// the dispatcher with the scales given.
 at::Tensor ring_update_quantized_(at::Tensor& keys, at::Tensor& values,
                                   at::Tensor& k_scale, at::Tensor& v_scale,
                                   at::Tensor& positions,

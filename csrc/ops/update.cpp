@@ -1,5 +1,6 @@
 #include "update.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
@@ -98,6 +99,16 @@ Shape check_tensors(const at::Tensor& keys, const at::Tensor& values,
       ", got ", shape_str(values_new));
 
   if (sc == nullptr) {
+    // A plain write into an int8 / fp8 cache copies stored values: float
+    // data there is a quantized write whose scales were left out.
+    TORCH_CHECK_TYPE(format_of(keys.scalar_type()) == KvFormat::kPlain ||
+                         !is_float_dtype(keys_new.scalar_type()),
+                     "keys_new is ", py_dtype(keys_new.scalar_type()),
+                     " but keys are ", py_dtype(keys.scalar_type()),
+                     ": pass k_scale and v_scale to quantize it into the "
+                     "cache (a quantized write), or keys_new of ",
+                     py_dtype(keys.scalar_type()),
+                     " to copy stored values (a plain write)");
     // No implicit casts: a cast would hide a model/cache dtype mismatch and
     // cost an extra pass over the data.
     check_dtype(keys_new, keys.scalar_type(), "keys_new", "the cache dtype");
@@ -105,9 +116,10 @@ Shape check_tensors(const at::Tensor& keys, const at::Tensor& values,
   } else {
     TORCH_CHECK_TYPE(format_of(keys.scalar_type()) != KvFormat::kPlain,
                      "keys must be a torch.int8 or torch.float8_e4m3fn tensor "
-                     "(a quantized cache), got ",
+                     "(a quantized cache) when k_scale and v_scale are given, "
+                     "got ",
                      py_dtype(keys.scalar_type()),
-                     " (write a plain cache with update_/append_)");
+                     " (write a plain cache without k_scale / v_scale)");
     TORCH_CHECK_TYPE(is_float_dtype(keys_new.scalar_type()),
                      "keys_new must be a torch.float32, torch.bfloat16 or "
                      "torch.float16 tensor (it is quantized to ",
@@ -318,59 +330,57 @@ std::vector<int64_t> check_append_impl(const at::Tensor& keys,
 
 }  // namespace
 
+namespace {
+
+// The scales of a write: both absent (nullopt: a plain write) or both given
+// (a quantized write). Only one of them is a mistake, named here.
+std::optional<Scales> scales_of(const std::optional<at::Tensor>& k_scale,
+                                const std::optional<at::Tensor>& v_scale) {
+  if (k_scale.has_value() != v_scale.has_value()) {
+    const char* have = k_scale.has_value() ? "k_scale" : "v_scale";
+    const char* missing = k_scale.has_value() ? "v_scale" : "k_scale";
+    TORCH_CHECK_VALUE(false, missing, " is None but ", have,
+                      " is given: a quantized write needs both k_scale and "
+                      "v_scale, a plain write neither");
+  }
+  if (!k_scale.has_value()) return std::nullopt;
+  return Scales{*k_scale, *v_scale};
+}
+
+const Scales* ptr(const std::optional<Scales>& sc) {
+  return sc.has_value() ? &*sc : nullptr;
+}
+
+}  // namespace
+
 void check_update(const at::Tensor& keys, const at::Tensor& values,
                   const at::Tensor& keys_new, const at::Tensor& values_new,
-                  const c10::SymInt& start) {
-  check_update_impl(keys, values, keys_new, values_new, start, nullptr);
+                  const c10::SymInt& start,
+                  const std::optional<at::Tensor>& k_scale,
+                  const std::optional<at::Tensor>& v_scale) {
+  const auto sc = scales_of(k_scale, v_scale);
+  check_update_impl(keys, values, keys_new, values_new, start, ptr(sc));
 }
 
-std::vector<int64_t> check_update_tensor(const at::Tensor& keys,
-                                         const at::Tensor& values,
-                                         const at::Tensor& keys_new,
-                                         const at::Tensor& values_new,
-                                         const at::Tensor& start,
-                                         bool values_known) {
-  return check_update_tensor_impl(keys, values, keys_new, values_new, start,
-                                  values_known, nullptr);
-}
-
-std::vector<int64_t> check_append(const at::Tensor& keys,
-                                  const at::Tensor& values,
-                                  const at::Tensor& lengths,
-                                  const at::Tensor& keys_new,
-                                  const at::Tensor& values_new,
-                                  bool values_known) {
-  return check_append_impl(keys, values, lengths, keys_new, values_new,
-                           values_known, nullptr);
-}
-
-void check_update_quantized(const at::Tensor& keys, const at::Tensor& values,
-                            const at::Tensor& k_scale,
-                            const at::Tensor& v_scale,
-                            const at::Tensor& keys_new,
-                            const at::Tensor& values_new,
-                            const c10::SymInt& start) {
-  const Scales sc{k_scale, v_scale};
-  check_update_impl(keys, values, keys_new, values_new, start, &sc);
-}
-
-std::vector<int64_t> check_update_quantized_tensor(
-    const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k_scale,
-    const at::Tensor& v_scale, const at::Tensor& keys_new,
-    const at::Tensor& values_new, const at::Tensor& start, bool values_known) {
-  const Scales sc{k_scale, v_scale};
-  return check_update_tensor_impl(keys, values, keys_new, values_new, start,
-                                  values_known, &sc);
-}
-
-std::vector<int64_t> check_append_quantized(
-    const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k_scale,
-    const at::Tensor& v_scale, const at::Tensor& lengths,
+std::vector<int64_t> check_update_tensor(
+    const at::Tensor& keys, const at::Tensor& values,
     const at::Tensor& keys_new, const at::Tensor& values_new,
-    bool values_known) {
-  const Scales sc{k_scale, v_scale};
+    const at::Tensor& start, bool values_known,
+    const std::optional<at::Tensor>& k_scale,
+    const std::optional<at::Tensor>& v_scale) {
+  const auto sc = scales_of(k_scale, v_scale);
+  return check_update_tensor_impl(keys, values, keys_new, values_new, start,
+                                  values_known, ptr(sc));
+}
+
+std::vector<int64_t> check_append(
+    const at::Tensor& keys, const at::Tensor& values, const at::Tensor& lengths,
+    const at::Tensor& keys_new, const at::Tensor& values_new, bool values_known,
+    const std::optional<at::Tensor>& k_scale,
+    const std::optional<at::Tensor>& v_scale) {
+  const auto sc = scales_of(k_scale, v_scale);
   return check_append_impl(keys, values, lengths, keys_new, values_new,
-                           values_known, &sc);
+                           values_known, ptr(sc));
 }
 
 }  // namespace detail
@@ -397,60 +407,101 @@ detail::UpdateParams make_params(at::Tensor& keys, at::Tensor& values,
   return p;
 }
 
+// Runs a checked write: the plain stub with `p`, or (scales given) the
+// quantized stub with `p` as its base and the scales' fields. The start
+// fields of `p` are already set by the caller.
+void run_write(const detail::UpdateParams& p, const at::Tensor& keys,
+               const at::Tensor& keys_new,
+               const std::optional<at::Tensor>& k_scale,
+               const std::optional<at::Tensor>& v_scale, const char* op) {
+  if (!k_scale.has_value()) {
+    detail::update_stub.get(keys.device().type(), op)(p);
+    return;
+  }
+  detail::QuantUpdateParams q;
+  q.base = p;
+  q.base.elem = static_cast<int64_t>(keys_new.element_size());  // source elements
+  detail::fill_quant_fields(q, keys, keys_new, *k_scale, *v_scale);
+  detail::quant_update_stub.get(keys.device().type(), op)(q);
+}
+
 }  // namespace
 
 at::Tensor update_(at::Tensor& keys, at::Tensor& values,
                    const at::Tensor& keys_new, const at::Tensor& values_new,
-                   int64_t start) {
-  detail::check_update(keys, values, keys_new, values_new, start);
+                   int64_t start, const std::optional<at::Tensor>& k_scale,
+                   const std::optional<at::Tensor>& v_scale) {
+  detail::check_update(keys, values, keys_new, values_new, start, k_scale,
+                       v_scale);
   at::Tensor length = at::empty({}, keys.options().dtype(at::kInt));
   auto p = make_params(keys, values, keys_new, values_new);
   p.start = start;
   p.host_starts = &start;
   p.lengths_out = detail::int_rows(length);
-  detail::update_stub.get(keys.device().type(), "update_")(p);
+  run_write(p, keys, keys_new, k_scale, v_scale, "update_");
   return length;
 }
 
 at::Tensor update_tensor_(at::Tensor& keys, at::Tensor& values,
                           const at::Tensor& keys_new,
-                          const at::Tensor& values_new,
-                          const at::Tensor& start) {
-  const auto starts = detail::check_update_tensor(keys, values, keys_new,
-                                                  values_new, start, true);
+                          const at::Tensor& values_new, const at::Tensor& start,
+                          const std::optional<at::Tensor>& k_scale,
+                          const std::optional<at::Tensor>& v_scale) {
+  const auto starts = detail::check_update_tensor(
+      keys, values, keys_new, values_new, start, true, k_scale, v_scale);
   at::Tensor length = at::empty(start.sizes(), keys.options().dtype(at::kInt));
   auto p = make_params(keys, values, keys_new, values_new);
   p.starts = detail::int_rows(start);
   p.host_starts = starts.empty() ? nullptr : starts.data();
   p.lengths_out = detail::int_rows(length);
-  detail::update_stub.get(keys.device().type(), "update_")(p);
+  run_write(p, keys, keys_new, k_scale, v_scale, "update_");
   return length;
 }
 
 void append_(at::Tensor& keys, at::Tensor& values, at::Tensor& lengths,
-             const at::Tensor& keys_new, const at::Tensor& values_new) {
+             const at::Tensor& keys_new, const at::Tensor& values_new,
+             const std::optional<at::Tensor>& k_scale,
+             const std::optional<at::Tensor>& v_scale) {
   const auto starts = detail::check_append(keys, values, lengths, keys_new,
-                                           values_new, true);
+                                           values_new, true, k_scale, v_scale);
   auto p = make_params(keys, values, keys_new, values_new);
   p.starts = detail::int_rows(lengths);
   p.host_starts = starts.empty() ? nullptr : starts.data();
   p.lengths_out = p.starts;
-  detail::update_stub.get(keys.device().type(), "append_")(p);
+  run_write(p, keys, keys_new, k_scale, v_scale, "append_");
 }
 
+at::Tensor append_returning_(at::Tensor& keys, at::Tensor& values,
+                             const at::Tensor& lengths,
+                             const at::Tensor& keys_new,
+                             const at::Tensor& values_new,
+                             const std::optional<at::Tensor>& k_scale,
+                             const std::optional<at::Tensor>& v_scale) {
+  // append_'s checks, naming lengths (also the in-place rules: the caller
+  // copies the result into lengths, and that copy must not fail after the
+  // buffers were written).
+  const auto starts = detail::check_append(keys, values, lengths, keys_new,
+                                           values_new, true, k_scale, v_scale);
+  at::Tensor out = at::empty(lengths.sizes(), lengths.options());
+  auto p = make_params(keys, values, keys_new, values_new);
+  p.starts = detail::int_rows(lengths);
+  p.host_starts = starts.empty() ? nullptr : starts.data();
+  p.lengths_out = detail::int_rows(out);
+  run_write(p, keys, keys_new, k_scale, v_scale, "append_");
+  return out;
+}
+
+// The deprecated aliases call the new writes through the dispatcher (not
+// the entry points above): under tracing their CompositeImplicitAutograd
+// kernels decompose into the new operator, whose fake kernel, autograd
+// refusal and version bump then apply.
 namespace {
 
-detail::QuantUpdateParams make_quant_params(at::Tensor& keys,
-                                            at::Tensor& values,
-                                            at::Tensor& k_scale,
-                                            at::Tensor& v_scale,
-                                            const at::Tensor& keys_new,
-                                            const at::Tensor& values_new) {
-  detail::QuantUpdateParams q;
-  q.base = make_params(keys, values, keys_new, values_new);
-  q.base.elem = static_cast<int64_t>(keys_new.element_size());  // source elements
-  detail::fill_quant_fields(q, keys, keys_new, k_scale, v_scale);
-  return q;
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> typed(const char* name, const char* overload) {
+  return c10::Dispatcher::singleton()
+      .findSchemaOrThrow(name, overload)
+      .template typed<Sig>();
 }
 
 }  // namespace
@@ -458,16 +509,14 @@ detail::QuantUpdateParams make_quant_params(at::Tensor& keys,
 at::Tensor update_quantized_(at::Tensor& keys, at::Tensor& values,
                              at::Tensor& k_scale, at::Tensor& v_scale,
                              const at::Tensor& keys_new,
-                             const at::Tensor& values_new, int64_t start) {
-  detail::check_update_quantized(keys, values, k_scale, v_scale, keys_new,
-                                 values_new, start);
-  at::Tensor length = at::empty({}, keys.options().dtype(at::kInt));
-  auto q = make_quant_params(keys, values, k_scale, v_scale, keys_new, values_new);
-  q.base.start = start;
-  q.base.host_starts = &start;
-  q.base.lengths_out = detail::int_rows(length);
-  detail::quant_update_stub.get(keys.device().type(), "update_quantized_")(q);
-  return length;
+                             const at::Tensor& values_new, c10::SymInt start) {
+  static const auto op =
+      typed<at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor&,
+                       const at::Tensor&, c10::SymInt,
+                       const std::optional<at::Tensor>&,
+                       const std::optional<at::Tensor>&)>("kvcache::update_", "");
+  return op.call(keys, values, keys_new, values_new, std::move(start), k_scale,
+                 v_scale);
 }
 
 at::Tensor update_quantized_tensor_(at::Tensor& keys, at::Tensor& values,
@@ -475,46 +524,24 @@ at::Tensor update_quantized_tensor_(at::Tensor& keys, at::Tensor& values,
                                     const at::Tensor& keys_new,
                                     const at::Tensor& values_new,
                                     const at::Tensor& start) {
-  const auto starts = detail::check_update_quantized_tensor(
-      keys, values, k_scale, v_scale, keys_new, values_new, start, true);
-  at::Tensor length = at::empty(start.sizes(), keys.options().dtype(at::kInt));
-  auto q = make_quant_params(keys, values, k_scale, v_scale, keys_new, values_new);
-  q.base.starts = detail::int_rows(start);
-  q.base.host_starts = starts.empty() ? nullptr : starts.data();
-  q.base.lengths_out = detail::int_rows(length);
-  detail::quant_update_stub.get(keys.device().type(), "update_quantized_")(q);
-  return length;
+  static const auto op =
+      typed<at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor&,
+                       const at::Tensor&, const at::Tensor&,
+                       const std::optional<at::Tensor>&,
+                       const std::optional<at::Tensor>&)>("kvcache::update_",
+                                                          "Tensor");
+  return op.call(keys, values, keys_new, values_new, start, k_scale, v_scale);
 }
 
 void append_quantized_(at::Tensor& keys, at::Tensor& values,
                        at::Tensor& k_scale, at::Tensor& v_scale,
                        at::Tensor& lengths, const at::Tensor& keys_new,
                        const at::Tensor& values_new) {
-  const auto starts = detail::check_append_quantized(
-      keys, values, k_scale, v_scale, lengths, keys_new, values_new, true);
-  auto q = make_quant_params(keys, values, k_scale, v_scale, keys_new, values_new);
-  q.base.starts = detail::int_rows(lengths);
-  q.base.host_starts = starts.empty() ? nullptr : starts.data();
-  q.base.lengths_out = q.base.starts;
-  detail::quant_update_stub.get(keys.device().type(), "append_quantized_")(q);
-}
-
-at::Tensor append_returning_(at::Tensor& keys, at::Tensor& values,
-                             const at::Tensor& lengths,
-                             const at::Tensor& keys_new,
-                             const at::Tensor& values_new) {
-  // append_'s checks, naming lengths (also the in-place rules: the caller
-  // copies the result into lengths, and that copy must not fail after the
-  // buffers were written).
-  const auto starts = detail::check_append(keys, values, lengths, keys_new,
-                                           values_new, true);
-  at::Tensor out = at::empty(lengths.sizes(), lengths.options());
-  auto p = make_params(keys, values, keys_new, values_new);
-  p.starts = detail::int_rows(lengths);
-  p.host_starts = starts.empty() ? nullptr : starts.data();
-  p.lengths_out = detail::int_rows(out);
-  detail::update_stub.get(keys.device().type(), "append_")(p);
-  return out;
+  static const auto op =
+      typed<void(at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
+                 const at::Tensor&, const std::optional<at::Tensor>&,
+                 const std::optional<at::Tensor>&)>("kvcache::append_", "");
+  op.call(keys, values, lengths, keys_new, values_new, k_scale, v_scale);
 }
 
 }  // namespace ops

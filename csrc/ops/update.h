@@ -1,16 +1,33 @@
-// The write operators: update_ (host start), update_.Tensor (start read on
-// the device) and append_ (start = the caller's lengths, advanced in place).
+// The write operators of a contiguous cache: update_ (host start),
+// update_.Tensor (start read on the device), append_ (start = the caller's
+// lengths, advanced in place) and append_returning_ (append_ that returns
+// the new lengths).
 //
-// All three copy keys_new / values_new (batch, heads, chunk, head_dim) into
-// rows [start_b, start_b + chunk) of keys / values (batch, heads, max_len,
-// head_dim), both buffers in one pass. They share one set of checks
-// (check_update_*, also run by the fake kernels while tracing) and one
-// device stub per backend.
+// All of them copy keys_new / values_new (batch, heads, chunk, head_dim)
+// into rows [start_b, start_b + chunk) of keys / values (batch, heads,
+// max_len, head_dim), both buffers in one pass. The format of the write
+// comes from the cache's dtype and the optional k_scale / v_scale (one
+// schema per kind of start, not per format):
+//   no scales       a plain write: keys_new has the cache's dtype, copied
+//                   bit for bit (any dtype, int8 and float8_e4m3fn too: a
+//                   plain int8 cache holds what it is given);
+//   both scales     a quantized write: int8 / float8_e4m3fn keys and values,
+//                   float32 / bfloat16 / float16 new data quantized per (row,
+//                   head, slot), its float32 scales written into k_scale /
+//                   v_scale (batch, heads, max_len) (formats in core/quant.h).
+// They share one set of checks (check_update_*, also run by the fake
+// kernels while tracing) and one device stub per format and backend.
+//
+// update_quantized_, update_quantized_.Tensor and append_quantized_ are
+// deprecated aliases of these writes with the scales given (kept for one
+// release): CompositeImplicitAutograd kernels that call the new operator
+// through the dispatcher, so tracing sees only the new one.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/SymInt.h>
 
+#include <optional>
 #include <vector>
 
 #include "../core/checks.h"
@@ -47,8 +64,8 @@ struct UpdateParams {
 using UpdateFn = void (*)(const UpdateParams&);
 extern DeviceStub<UpdateFn> update_stub;
 
-// The quantized writes (update_quantized_, update_quantized_.Tensor,
-// append_quantized_; formats in core/quant.h): `base` as for update_, its
+// The quantized format of the writes (k_scale / v_scale given; formats in
+// core/quant.h): `base` as for a plain write, its
 // dst the int8/fp8 buffers and its src the new data in `src_dtype`; each
 // (row, head, slot) of the chunk also gets its scale in scale[0] (keys) /
 // scale[1] (values), float32 (batch, heads, max_len) with element strides.
@@ -65,90 +82,96 @@ extern DeviceStub<QuantUpdateFn> quant_update_stub;
 
 // Checks shared by eager kernels and fake kernels. `values_known` is false
 // while tracing: a device tensor's values are then checked by the kernel.
+// k_scale / v_scale: both absent (a plain write: keys_new / values_new of
+// the cache's dtype) or both present (a quantized write: an int8 /
+// float8_e4m3fn cache, float32 / bfloat16 / float16 new data of one dtype,
+// and scales that are writable float32 (batch, num_kv_heads, max_len) on the
+// cache's device sharing no byte with themselves, each other, keys, values,
+// the new data or a start/lengths tensor). Anything else raises
+// c10::ValueError / c10::TypeError naming the argument.
 KVCACHE_API void check_update(const at::Tensor& keys, const at::Tensor& values,
-                  const at::Tensor& keys_new, const at::Tensor& values_new,
-                  const c10::SymInt& start);
-KVCACHE_API std::vector<int64_t> check_update_tensor(const at::Tensor& keys,
-                                         const at::Tensor& values,
-                                         const at::Tensor& keys_new,
-                                         const at::Tensor& values_new,
-                                         const at::Tensor& start,
-                                         bool values_known);
-KVCACHE_API std::vector<int64_t> check_append(const at::Tensor& keys,
-                                  const at::Tensor& values,
-                                  const at::Tensor& lengths,
-                                  const at::Tensor& keys_new,
-                                  const at::Tensor& values_new,
-                                  bool values_known);
-
-// The quantized writes' checks: every check of the plain write, except that
-// keys/values are int8 or float8_e4m3fn and keys_new/values_new a float
-// dtype (float32, bfloat16, float16; the same for both), plus the scales:
-// writable float32 (batch, num_kv_heads, max_len) on the cache's device,
-// no byte shared with themselves, each other, keys, values, the new data or
-// a start/lengths tensor.
-KVCACHE_API void check_update_quantized(
-    const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k_scale,
-    const at::Tensor& v_scale, const at::Tensor& keys_new,
-    const at::Tensor& values_new, const c10::SymInt& start);
-KVCACHE_API std::vector<int64_t> check_update_quantized_tensor(
-    const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k_scale,
-    const at::Tensor& v_scale, const at::Tensor& keys_new,
-    const at::Tensor& values_new, const at::Tensor& start, bool values_known);
-KVCACHE_API std::vector<int64_t> check_append_quantized(
-    const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k_scale,
-    const at::Tensor& v_scale, const at::Tensor& lengths,
+                              const at::Tensor& keys_new,
+                              const at::Tensor& values_new,
+                              const c10::SymInt& start,
+                              const std::optional<at::Tensor>& k_scale = std::nullopt,
+                              const std::optional<at::Tensor>& v_scale = std::nullopt);
+KVCACHE_API std::vector<int64_t> check_update_tensor(
+    const at::Tensor& keys, const at::Tensor& values,
     const at::Tensor& keys_new, const at::Tensor& values_new,
-    bool values_known);
+    const at::Tensor& start, bool values_known,
+    const std::optional<at::Tensor>& k_scale = std::nullopt,
+    const std::optional<at::Tensor>& v_scale = std::nullopt);
+KVCACHE_API std::vector<int64_t> check_append(
+    const at::Tensor& keys, const at::Tensor& values, const at::Tensor& lengths,
+    const at::Tensor& keys_new, const at::Tensor& values_new, bool values_known,
+    const std::optional<at::Tensor>& k_scale = std::nullopt,
+    const std::optional<at::Tensor>& v_scale = std::nullopt);
 
 // The checks with each schema's arguments, as a fake kernel runs them
 // (values unknown: a start or lengths tensor is checked by the kernel).
 inline void trace_check_update_(const at::Tensor& keys, const at::Tensor& values,
                                 const at::Tensor& keys_new,
-                                const at::Tensor& values_new, c10::SymInt start) {
-  check_update(keys, values, keys_new, values_new, start);
+                                const at::Tensor& values_new, c10::SymInt start,
+                                const std::optional<at::Tensor>& k_scale,
+                                const std::optional<at::Tensor>& v_scale) {
+  check_update(keys, values, keys_new, values_new, start, k_scale, v_scale);
 }
 inline void trace_check_update_tensor_(const at::Tensor& keys,
                                        const at::Tensor& values,
                                        const at::Tensor& keys_new,
                                        const at::Tensor& values_new,
-                                       const at::Tensor& start) {
-  check_update_tensor(keys, values, keys_new, values_new, start, false);
+                                       const at::Tensor& start,
+                                       const std::optional<at::Tensor>& k_scale,
+                                       const std::optional<at::Tensor>& v_scale) {
+  check_update_tensor(keys, values, keys_new, values_new, start, false, k_scale,
+                      v_scale);
 }
-inline void trace_check_append_returning_(const at::Tensor& keys,
-                                          const at::Tensor& values,
-                                          const at::Tensor& lengths,
-                                          const at::Tensor& keys_new,
-                                          const at::Tensor& values_new) {
-  check_append(keys, values, lengths, keys_new, values_new, false);
+inline void trace_check_append_returning_(
+    const at::Tensor& keys, const at::Tensor& values, const at::Tensor& lengths,
+    const at::Tensor& keys_new, const at::Tensor& values_new,
+    const std::optional<at::Tensor>& k_scale,
+    const std::optional<at::Tensor>& v_scale) {
+  check_append(keys, values, lengths, keys_new, values_new, false, k_scale,
+               v_scale);
 }
 inline void trace_check_append_(const at::Tensor& keys, const at::Tensor& values,
                                 const at::Tensor& lengths,
                                 const at::Tensor& keys_new,
-                                const at::Tensor& values_new) {
-  check_append(keys, values, lengths, keys_new, values_new, false);
+                                const at::Tensor& values_new,
+                                const std::optional<at::Tensor>& k_scale,
+                                const std::optional<at::Tensor>& v_scale) {
+  check_append(keys, values, lengths, keys_new, values_new, false, k_scale,
+               v_scale);
 }
 
+// The deprecated aliases' checks: the new writes' with both scales given.
 inline void trace_check_update_quantized_(
     const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k_scale,
     const at::Tensor& v_scale, const at::Tensor& keys_new,
     const at::Tensor& values_new, c10::SymInt start) {
-  check_update_quantized(keys, values, k_scale, v_scale, keys_new, values_new,
-                         start);
+  check_update(keys, values, keys_new, values_new, start, k_scale, v_scale);
 }
 inline void trace_check_update_quantized_tensor_(
     const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k_scale,
     const at::Tensor& v_scale, const at::Tensor& keys_new,
     const at::Tensor& values_new, const at::Tensor& start) {
-  check_update_quantized_tensor(keys, values, k_scale, v_scale, keys_new,
-                                values_new, start, false);
+  check_update_tensor(keys, values, keys_new, values_new, start, false, k_scale,
+                      v_scale);
 }
 inline void trace_check_append_quantized_(
     const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k_scale,
     const at::Tensor& v_scale, const at::Tensor& lengths,
     const at::Tensor& keys_new, const at::Tensor& values_new) {
-  check_append_quantized(keys, values, k_scale, v_scale, lengths, keys_new,
-                         values_new, false);
+  check_append(keys, values, lengths, keys_new, values_new, false, k_scale,
+               v_scale);
+}
+
+// The stub column of the writes in operators.h: a write has device work on
+// a backend when both of its formats (plain, quantized) have a kernel there.
+struct UpdateStubs {};
+inline constexpr UpdateStubs update_stubs{};
+inline bool has_cuda_work(UpdateStubs) {
+  return update_stub.cuda != nullptr && quant_update_stub.cuda != nullptr;
 }
 
 // The fields a quantized write adds to its device params (QuantUpdateParams,
@@ -156,13 +179,13 @@ inline void trace_check_append_quantized_(
 // format, the new data's dtype and both scales' pointers and strides.
 template <typename Q>
 void fill_quant_fields(Q& q, const at::Tensor& keys, const at::Tensor& keys_new,
-                       at::Tensor& k_scale, at::Tensor& v_scale) {
+                       const at::Tensor& k_scale, const at::Tensor& v_scale) {
   q.format = format_of(keys.scalar_type());
   const auto t = keys_new.scalar_type();
   q.src_dtype = t == at::kFloat      ? FloatDtype::kFloat32
                 : t == at::kBFloat16 ? FloatDtype::kBFloat16
                                      : FloatDtype::kFloat16;
-  at::Tensor* sc[2] = {&k_scale, &v_scale};
+  const at::Tensor* sc[2] = {&k_scale, &v_scale};
   for (int w = 0; w < 2; ++w) {
     q.scale[w] = sc[w]->mutable_data_ptr<float>();
     for (int k = 0; k < 3; ++k) q.scale_stride[w][k] = sc[w]->stride(k);
@@ -171,27 +194,36 @@ void fill_quant_fields(Q& q, const at::Tensor& keys, const at::Tensor& keys_new,
 
 }  // namespace detail
 
-// Operator entry points (registered in csrc/schema.cpp).
+// Operator entry points (registered in csrc/schema.cpp). k_scale /
+// v_scale: see check_update.
 namespace ops {
 
 at::Tensor update_(at::Tensor& keys, at::Tensor& values,
                    const at::Tensor& keys_new, const at::Tensor& values_new,
-                   int64_t start);
+                   int64_t start, const std::optional<at::Tensor>& k_scale,
+                   const std::optional<at::Tensor>& v_scale);
 at::Tensor update_tensor_(at::Tensor& keys, at::Tensor& values,
                           const at::Tensor& keys_new,
-                          const at::Tensor& values_new,
-                          const at::Tensor& start);
+                          const at::Tensor& values_new, const at::Tensor& start,
+                          const std::optional<at::Tensor>& k_scale,
+                          const std::optional<at::Tensor>& v_scale);
 void append_(at::Tensor& keys, at::Tensor& values, at::Tensor& lengths,
-             const at::Tensor& keys_new, const at::Tensor& values_new);
+             const at::Tensor& keys_new, const at::Tensor& values_new,
+             const std::optional<at::Tensor>& k_scale,
+             const std::optional<at::Tensor>& v_scale);
 at::Tensor append_returning_(at::Tensor& keys, at::Tensor& values,
                              const at::Tensor& lengths,
                              const at::Tensor& keys_new,
-                             const at::Tensor& values_new);
+                             const at::Tensor& values_new,
+                             const std::optional<at::Tensor>& k_scale,
+                             const std::optional<at::Tensor>& v_scale);
 
+// The deprecated aliases (CompositeImplicitAutograd kernels): each calls
+// the write above through the dispatcher with k_scale / v_scale given.
 at::Tensor update_quantized_(at::Tensor& keys, at::Tensor& values,
                              at::Tensor& k_scale, at::Tensor& v_scale,
                              const at::Tensor& keys_new,
-                             const at::Tensor& values_new, int64_t start);
+                             const at::Tensor& values_new, c10::SymInt start);
 at::Tensor update_quantized_tensor_(at::Tensor& keys, at::Tensor& values,
                                     at::Tensor& k_scale, at::Tensor& v_scale,
                                     const at::Tensor& keys_new,

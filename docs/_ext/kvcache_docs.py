@@ -150,11 +150,13 @@ def registered_operators() -> List[Tuple[str, str, str]]:
 
     import kvcache  # noqa: F401  (loads the library)
 
+    # Every name the dispatcher has registered in the namespace ("kvcache::op" or "kvcache::op.overload"),
+    # not dir(torch.ops.kvcache), which lists only the packets Python has already resolved.
+    names = sorted({n.split("::", 1)[1].split(".", 1)[0] for n in torch._C._dispatch_get_all_op_names()
+                    if n.startswith("kvcache::")})
     out = []
-    for name in sorted(dir(torch.ops.kvcache)):
-        packet = getattr(torch.ops.kvcache, name, None)
-        if name.startswith("_") or not hasattr(packet, "overloads"):
-            continue
+    for name in names:
+        packet = getattr(torch.ops.kvcache, name)
         for ov in packet.overloads():
             out.append((name, ov, str(getattr(packet, ov)._schema)))
     return out

@@ -9,7 +9,11 @@ lengths tensor) are checked by the kernels when the program runs.
 
 The operators come from the one list in ``csrc/ops/operators.h``
 (``kvcache._C.operators``): an operator there without an output rule here,
-or a rule here for no operator, fails the import.
+or a rule here for no operator, fails the import. The deprecated aliases
+(kind ``Alias``: ``update_quantized_``, ``append_quantized_``, ...) get no
+fake kernel: their CompositeImplicitAutograd kernels decompose into the
+write they name, whose fake kernel runs (PyTorch refuses a fake kernel for
+an operator with a CompositeImplicitAutograd kernel).
 """
 
 from __future__ import annotations
@@ -28,19 +32,11 @@ def _init_layer_cache(batch_size, num_kv_heads, head_dim, max_len, *, dtype=None
     return keys, values, torch.empty((), dtype=torch.int32, device=device)
 
 
-def _update(keys, values, keys_new, values_new, start):
+def _update(keys, values, keys_new, values_new, start, *, k_scale=None, v_scale=None):
     return keys.new_empty((), dtype=torch.int32)
 
 
-def _update_tensor(keys, values, keys_new, values_new, start):
-    return keys.new_empty(start.shape, dtype=torch.int32)
-
-
-def _update_quantized(keys, values, k_scale, v_scale, keys_new, values_new, start):
-    return keys.new_empty((), dtype=torch.int32)
-
-
-def _update_quantized_tensor(keys, values, k_scale, v_scale, keys_new, values_new, start):
+def _update_tensor(keys, values, keys_new, values_new, start, *, k_scale=None, v_scale=None):
     return keys.new_empty(start.shape, dtype=torch.int32)
 
 
@@ -65,7 +61,7 @@ def _none(*args, **kwargs):
     return None
 
 
-def _ring_update(keys, values, positions, keys_new, values_new, start, *, sinks=0):
+def _ring_update(keys, values, positions, keys_new, values_new, start, *, sinks=0, k_scale=None, v_scale=None):
     return keys.new_empty(start.shape, dtype=torch.int32)
 
 
@@ -75,13 +71,10 @@ _OUTPUTS = {
     "update_": _update,
     "update_tensor_": _update_tensor,
     "append_": _none,
-    "update_quantized_": _update_quantized,
-    "update_quantized_tensor_": _update_quantized_tensor,
-    "append_quantized_": _none,
     "attend": _attend,
     "rollback": _new_lengths,
     "select_rows_": _select_rows,
-    "append_returning_": lambda keys, values, lengths, keys_new, values_new: _new_lengths(lengths),
+    "append_returning_": lambda keys, values, lengths, keys_new, values_new, **scales: _new_lengths(lengths),
     "reset_rows": _new_lengths,
     "check_lengths_writable": _none,
     "ring_update_": _ring_update,
@@ -89,8 +82,6 @@ _OUTPUTS = {
     "paged_attend": lambda q, key_pages, value_pages, block_table, context_lens, cu_seqlens_q, **kw: q.new_empty(
         q.shape
     ),
-    "ring_update_quantized_": lambda keys, values, k_scale, v_scale, positions, keys_new, values_new, start, *,
-    sinks=0: keys.new_empty(start.shape, dtype=torch.int32),
 }
 
 
@@ -110,7 +101,7 @@ def _fake(name: str, check, outputs):
 
 
 def _register() -> None:
-    ids = [op["id"] for op in _C.operators]
+    ids = [op["id"] for op in _C.operators if op["kind"] != "Alias"]
     missing = sorted(set(ids) - set(_OUTPUTS))
     extra = sorted(set(_OUTPUTS) - set(ids))
     if missing or extra:
@@ -119,6 +110,8 @@ def _register() -> None:
             f"rules for unknown operators {extra}"
         )
     for op in _C.operators:
+        if op["kind"] == "Alias":
+            continue
         check = getattr(_C, "check_" + op["id"])
         torch.library.register_fake("kvcache::" + op["name"])(_fake(op["name"], check, _OUTPUTS[op["id"]]))
 

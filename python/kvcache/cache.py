@@ -26,9 +26,6 @@ _update_tensor_op = torch.ops.kvcache.update_.Tensor
 _append_op = torch.ops.kvcache.append_.default
 _append_returning_op = torch.ops.kvcache.append_returning_.default
 _attend_op = torch.ops.kvcache.attend.default
-_update_q_op = torch.ops.kvcache.update_quantized_.default
-_update_q_tensor_op = torch.ops.kvcache.update_quantized_.Tensor
-_append_q_op = torch.ops.kvcache.append_quantized_.default
 
 _check_lengths_writable_op = torch.ops.kvcache.check_lengths_writable.default
 
@@ -154,7 +151,7 @@ def update_kv_layer_cache(
             transposed ``(batch, chunk, heads, head_dim)`` view). For a
             quantized cache: float32, bfloat16 or float16, quantized per
             slot with their scales written to ``cache.k_scale`` /
-            ``cache.v_scale`` (``update_quantized_``).
+            ``cache.v_scale`` (``update_`` with ``k_scale`` / ``v_scale``).
         values_new: Values of the same shape as ``keys_new``.
         start: Position to write at: a Python int, or an int32/int64 tensor on
             the cache's device, 0-D (same start for every row) or of shape
@@ -179,46 +176,35 @@ def update_kv_layer_cache(
             differ, or ``start`` is neither an int nor an integer tensor.
     """
     if torch.jit.is_scripting():
-        # TorchScript: the same calls (the isinstance refines the Union),
+        # TorchScript: the same call (the isinstance refines the Union),
         # without the Python-only type checks.
         ks = cache.k_scale
         vs = cache.v_scale
-        if ks is not None and vs is not None:
-            if isinstance(start, torch.Tensor):
-                length = torch.ops.kvcache.update_quantized_(
-                    cache.keys, cache.values, ks, vs, keys_new, values_new, start
-                )
-            else:
-                length = torch.ops.kvcache.update_quantized_(
-                    cache.keys, cache.values, ks, vs, keys_new, values_new, start
-                )
-            return KVLayerCache(cache.keys, cache.values, length, ks, vs)
         if isinstance(start, torch.Tensor):
-            length = torch.ops.kvcache.update_(cache.keys, cache.values, keys_new, values_new, start)
+            length = torch.ops.kvcache.update_(
+                cache.keys, cache.values, keys_new, values_new, start, k_scale=ks, v_scale=vs
+            )
         else:
-            length = torch.ops.kvcache.update_(cache.keys, cache.values, keys_new, values_new, start)
-        return KVLayerCache(cache.keys, cache.values, length)
+            length = torch.ops.kvcache.update_(
+                cache.keys, cache.values, keys_new, values_new, start, k_scale=ks, v_scale=vs
+            )
+        return KVLayerCache(cache.keys, cache.values, length, ks, vs)
     if not isinstance(cache, KVLayerCache):
         raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
     keys, values = cache.keys, cache.values
     ks, vs = cache.k_scale, cache.v_scale
-    quantized = ks is not None
-    # The op returns the new length too: one dispatch (one CUDA launch) per update.
+    # One write for both formats: the scales (None for a plain cache) pick
+    # it. The op returns the new length too: one dispatch (one CUDA launch)
+    # per update.
     if isinstance(start, torch.Tensor):
-        if quantized:
-            length = _update_q_tensor_op(keys, values, ks, vs, keys_new, values_new, start)
-        else:
-            length = _update_tensor_op(keys, values, keys_new, values_new, start)
+        length = _update_tensor_op(keys, values, keys_new, values_new, start, k_scale=ks, v_scale=vs)
     else:
         if not isinstance(start, (int, torch.SymInt)) or isinstance(start, bool):
             start = as_int("start", start)
         if isinstance(start, int) and not INT64_MIN <= start <= INT64_MAX:
             # The op takes int64: say what the user got wrong, not "expected int".
             raise_out_of_range_start(start, keys_new, keys)
-        if quantized:
-            length = _update_q_op(keys, values, ks, vs, keys_new, values_new, start)
-        else:
-            length = _update_op(keys, values, keys_new, values_new, start)
+        length = _update_op(keys, values, keys_new, values_new, start, k_scale=ks, v_scale=vs)
     return KVLayerCache(keys, values, length, ks, vs)
 
 
@@ -334,35 +320,19 @@ def append_kv_layer_cache(cache: KVLayerCache, keys_new: torch.Tensor, values_ne
         TypeError: If dtypes differ.
     """
     if torch.jit.is_scripting():
-        ks = cache.k_scale
-        vs = cache.v_scale
-        if ks is not None and vs is not None:
-            torch.ops.kvcache.append_quantized_(cache.keys, cache.values, ks, vs, cache.length, keys_new, values_new)
-        else:
-            torch.ops.kvcache.append_(cache.keys, cache.values, cache.length, keys_new, values_new)
+        torch.ops.kvcache.append_(
+            cache.keys, cache.values, cache.length, keys_new, values_new, k_scale=cache.k_scale, v_scale=cache.v_scale
+        )
         return cache
     if not isinstance(cache, KVLayerCache):
         raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
-    if cache.k_scale is not None:
-        if torch.compiler.is_compiling():
-            # As _append: the functional write, then a copy_ of the new
-            # lengths (checked writable first, so the copy cannot fail after
-            # the buffers were written).
-            _check_lengths_writable_op(cache.length)
-            cache.length.copy_(
-                _update_q_tensor_op(
-                    cache.keys, cache.values, cache.k_scale, cache.v_scale, keys_new, values_new, cache.length
-                )
-            )
-        else:
-            _append_q_op(cache.keys, cache.values, cache.k_scale, cache.v_scale, cache.length, keys_new, values_new)
-        return cache
-    _append(cache.keys, cache.values, cache.length, keys_new, values_new)
+    _append(cache.keys, cache.values, cache.length, keys_new, values_new, cache.k_scale, cache.v_scale)
     return cache
 
 
-def _append(keys, values, lengths, keys_new, values_new) -> None:
-    # The one place that chooses how lengths advance (kvcache.hf calls it too).
+def _append(keys, values, lengths, keys_new, values_new, k_scale=None, v_scale=None) -> None:
+    # The one place that chooses how lengths advance (kvcache.hf calls it too),
+    # for both formats (k_scale / v_scale: a quantized cache's, else None).
     # Eager: append_, in place. Traced (torch.compile, torch.export):
     # append_returning_, whose new lengths are copied back. Inductor (torch
     # 2.13) can re-inline a pointwise read of a graph input made before a
@@ -371,9 +341,9 @@ def _append(keys, values, lengths, keys_new, values_new) -> None:
     # ops run append_'s checks (naming lengths, refusing a lengths the copy
     # could not write), so both paths raise the same errors.
     if torch.compiler.is_compiling():
-        lengths.copy_(_append_returning_op(keys, values, lengths, keys_new, values_new))
+        lengths.copy_(_append_returning_op(keys, values, lengths, keys_new, values_new, k_scale=k_scale, v_scale=v_scale))
     else:
-        _append_op(keys, values, lengths, keys_new, values_new)
+        _append_op(keys, values, lengths, keys_new, values_new, k_scale=k_scale, v_scale=v_scale)
 
 
 def attend(

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 # The package's __init__ has loaded the operators (it runs before any submodule).
-_update_q_op = torch.ops.kvcache.update_quantized_.default
+_update_op = torch.ops.kvcache.update_.default
 _check_lengths_writable_op = torch.ops.kvcache.check_lengths_writable.default
 
 #: The range of the int64 arguments the operators take.
@@ -98,7 +98,7 @@ def check_scales(keys, values, k_scale, v_scale) -> None:
         return
     b, h, _, d = keys.shape
     empty = keys.new_empty((b, h, 0, d), dtype=torch.float32)
-    _update_q_op(keys, values, k_scale, v_scale, empty, empty, 0)
+    _update_op(keys, values, empty, empty, 0, k_scale=k_scale, v_scale=v_scale)
 
 
 def raise_out_of_range_start(start: int, keys_new, keys) -> None:

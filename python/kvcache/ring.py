@@ -6,8 +6,8 @@ sliding-window layer in ``sinks + window + max_step - 1`` slots instead of
 ``sinks + (p - sinks) % (capacity - sinks)``, and each slot records the
 logical position it holds (``positions``, ``-1``: empty), written by the same
 operator call as the keys and values (``torch.ops.kvcache.ring_update_``;
-a quantized ring's data, scales and positions by one
-``torch.ops.kvcache.ring_update_quantized_``).
+a quantized ring's data, scales and positions by the same operator with
+``k_scale`` / ``v_scale``).
 ``length`` is the logical length (the next position), so rollback stays
 length arithmetic, and the graph of a decode step is the same before and
 after the ring wraps.
@@ -40,8 +40,7 @@ from .common import as_int, check_length_writable, kv_dtype_of
 _init_op = torch.ops.kvcache.init_layer_cache.default
 _ring_update_op = torch.ops.kvcache.ring_update_.default
 _attend_op = torch.ops.kvcache.attend.default
-_update_q_op = torch.ops.kvcache.update_quantized_.default
-_ring_update_q_op = torch.ops.kvcache.ring_update_quantized_.default
+_update_op = torch.ops.kvcache.update_.default
 
 #: Default ``max_step`` (R): the most tokens one write may add and still be
 #: attended inside the ring, and the furthest rollback. 64 covers speculative
@@ -204,10 +203,10 @@ def init_ring_layer_cache(
 
 
 def _quantize_chunk(cache: RingLayerCache, keys_new, values_new):
-    # The chunk quantized into a chunk-sized buffer by update_quantized_, for
-    # what a chunk longer than max_step attends over (write_ring_layer_cache):
-    # the ring keeps only its last positions, the chunk's queries see them
-    # all. The same quantizer as ring_update_quantized_'s (per slot,
+    # The chunk quantized into a chunk-sized buffer by update_ with scales,
+    # for what a chunk longer than max_step attends over
+    # (write_ring_layer_cache): the ring keeps only its last positions, the
+    # chunk's queries see them all. The same quantizer as ring_update_'s (per slot,
     # deterministic), so these are exactly the bytes and scales the ring
     # stores for the positions it keeps. O(chunk), never O(capacity).
     if not isinstance(keys_new, torch.Tensor) or keys_new.dim() != 4:
@@ -219,31 +218,28 @@ def _quantize_chunk(cache: RingLayerCache, keys_new, values_new):
     tv = torch.empty((b, h, c, d), dtype=cache.keys.dtype, device=dev)
     tks = torch.empty((b, h, c), dtype=torch.float32, device=dev)
     tvs = torch.empty((b, h, c), dtype=torch.float32, device=dev)
-    _update_q_op(tk, tv, tks, tvs, keys_new, values_new, 0)
+    _update_op(tk, tv, keys_new, values_new, 0, k_scale=tks, v_scale=tvs)
     return tk, tv, tks, tvs
 
 
 def ring_write(cache: RingLayerCache, keys_new, values_new, start_t) -> torch.Tensor:
     """The ring's write of one chunk, one operator call; returns the new length.
 
-    A quantized ring's data, scales and positions are quantized and placed by one
-    ``ring_update_quantized_``. The shared core of every ring write (:mod:`kvcache.rows`
+    A quantized ring's data, scales and positions are quantized and placed by the
+    same ``ring_update_`` (given the ring's ``k_scale`` / ``v_scale``; None for a
+    plain ring). The shared core of every ring write (:mod:`kvcache.rows`
     runs it with an empty chunk to check a ring's tensors).
     """
-    if cache.k_scale is None:
-        return _ring_update_op(
-            cache.keys, cache.values, cache.positions, keys_new, values_new, start_t, sinks=cache.sinks
-        )
-    return _ring_update_q_op(
+    return _ring_update_op(
         cache.keys,
         cache.values,
-        cache.k_scale,
-        cache.v_scale,
         cache.positions,
         keys_new,
         values_new,
         start_t,
         sinks=cache.sinks,
+        k_scale=cache.k_scale,
+        v_scale=cache.v_scale,
     )
 
 
@@ -272,7 +268,7 @@ def update_ring_layer_cache(
 
     One operator call writes keys, values and the slots' positions in place
     (a quantized ring: quantizes them and writes their scales too, in the same
-    call, ``ring_update_quantized_``); a chunk longer than the ring writes
+    call, ``ring_update_`` with the ring's scales); a chunk longer than the ring writes
     only what the ring keeps (the sinks and the last ``capacity - sinks``
     positions). To attend over a chunk longer than ``max_step``, use
     :func:`write_ring_layer_cache`.

@@ -293,11 +293,17 @@ TEST_CASE("quantized caches through the C++ API: write, attend, select rows", "[
     kvcache::select_rows_kv_layer_cache(cache, at::tensor({int64_t{1}, int64_t{1}}));
     REQUIRE(cache.k_scale[0].narrow(1, 0, 5).equal(row1_scale.narrow(1, 0, 5)));
     REQUIRE(cache.keys[0].narrow(1, 0, 5).view(at::kByte).equal(cache.keys[1].narrow(1, 0, 5).view(at::kByte)));
-    // A float cache is refused by the quantized write, before anything is written.
+    // A float cache is refused by the quantized write (scales given), before anything is written.
     auto plain = kvcache::init_kv_layer_cache(B, H, D, T, at::kFloat);
     auto ks = at::ones({B, H, T}), vs = at::ones({B, H, T});
-    REQUIRE_THROWS_AS(kvcache::update_quantized_(plain.keys, plain.values, ks, vs, kn, vn, 0), c10::TypeError);
+    REQUIRE_THROWS_AS(kvcache::update_(plain.keys, plain.values, kn, vn, 0, ks, vs), c10::TypeError);
     REQUIRE(plain.keys.abs().sum().item<float>() == 0.f);
+    // A quantized cache with float data and no scales, or one scale alone, is refused too.
+    auto qc = kvcache::init_quantized_kv_layer_cache(B, H, D, T, kv);
+    REQUIRE_THROWS_AS(kvcache::update_(qc.keys, qc.values, kn, vn, 0), c10::TypeError);
+    REQUIRE_THROWS_AS(kvcache::update_(qc.keys, qc.values, kn, vn, 0, qc.k_scale, std::nullopt), c10::ValueError);
+    REQUIRE(qc.keys.view(at::kByte).count_nonzero().item<int64_t>() == 0);
+    REQUIRE(qc.k_scale.equal(at::ones({B, H, T})));
   }
 }
 
@@ -403,9 +409,9 @@ TEST_CASE("a quantized ring through the C++ API matches a quantized linear cache
   REQUIRE_THROWS_AS(kvcache::init_quantized_ring_layer_cache(1, 1, D, 4, at::kFloat), c10::TypeError);
 }
 
-TEST_CASE("ring_update_quantized_ through the C++ API: each kept position's quantization at its slot",
+TEST_CASE("ring_update_ with scales through the C++ API: each kept position's quantization at its slot",
           "[api][ring][quant]") {
-  // Reference: the chunk quantized by update_quantized_ into a linear buffer (the formats' own
+  // Reference: the chunk quantized by update_ with scales into a linear buffer (the formats' own
   // tests check that bit for bit), then placed by plain slicing at the slots the ring keeps.
   const int64_t cap = 7, sinks = 2, h = 2, d = 8;
   for (auto kv : {at::kChar, at::kFloat8_e4m3fn}) {
@@ -418,7 +424,7 @@ TEST_CASE("ring_update_quantized_ through the C++ API: each kept position's quan
       at::Tensor start = at::tensor({int64_t{3}, int64_t{11}});
       at::Tensor qk = at::empty({2, h, chunk, d}, keys.options()), qv = at::empty_like(qk);
       at::Tensor sk = at::empty({2, h, chunk}), sv = at::empty_like(sk);
-      kvcache::update_quantized_(qk, qv, sk, sv, kn, vn, int64_t{0});
+      kvcache::update_(qk, qv, kn, vn, int64_t{0}, sk, sv);
       auto wk = keys.clone(), wv = values.clone(), wks = ks.clone(), wvs = vs.clone(), wp = pos.clone();
       for (int64_t b = 0; b < 2; ++b) {
         const int64_t s = start[b].item<int64_t>(), end = s + chunk;
@@ -433,7 +439,7 @@ TEST_CASE("ring_update_quantized_ through the C++ API: each kept position's quan
           wp[b][slot] = p;
         }
       }
-      at::Tensor len = kvcache::ring_update_quantized_(keys, values, ks, vs, pos, kn, vn, start, sinks);
+      at::Tensor len = kvcache::ring_update_(keys, values, pos, kn, vn, start, sinks, ks, vs);
       REQUIRE(len.scalar_type() == at::kInt);
       REQUIRE(len.equal((start + chunk).to(at::kInt)));
       REQUIRE(same_bytes(keys, wk));
@@ -443,14 +449,15 @@ TEST_CASE("ring_update_quantized_ through the C++ API: each kept position's quan
       REQUIRE(same_bytes(pos, wp));
       // A bad start (or a bad scale) throws before anything is written.
       const auto before = std::vector<at::Tensor>{keys.clone(), values.clone(), ks.clone(), vs.clone(), pos.clone()};
-      REQUIRE_THROWS_AS(kvcache::ring_update_quantized_(keys, values, ks, vs, pos, kn, vn,
-                                                        at::tensor({int64_t{0}, int64_t{-1}}), sinks),
+      REQUIRE_THROWS_AS(kvcache::ring_update_(keys, values, pos, kn, vn,
+                                              at::tensor({int64_t{0}, int64_t{-1}}), sinks, ks, vs),
                         c10::ValueError);
       at::Tensor bad_scale = at::ones({2, h, cap}, at::kDouble);
-      REQUIRE_THROWS_AS(kvcache::ring_update_quantized_(keys, values, bad_scale, vs, pos, kn, vn, start, sinks),
+      REQUIRE_THROWS_AS(kvcache::ring_update_(keys, values, pos, kn, vn, start, sinks, bad_scale, vs),
                         c10::TypeError);
-      REQUIRE_THROWS_AS(kvcache::ring_update_quantized_(keys, values, ks, ks, pos, kn, vn, start, sinks),
+      REQUIRE_THROWS_AS(kvcache::ring_update_(keys, values, pos, kn, vn, start, sinks, ks, ks),
                         c10::ValueError);
+      REQUIRE_THROWS_AS(kvcache::ring_update_(keys, values, pos, kn, vn, start, sinks), c10::TypeError);
       const std::vector<at::Tensor> now{keys, values, ks, vs, pos};
       for (size_t i = 0; i < now.size(); ++i) REQUIRE(same_bytes(now[i], before[i]));
     }
@@ -554,3 +561,59 @@ TEST_CASE("paged caches through the C++ API: allocator, write, attend, fork, fre
                                           at::tensor({kBs * 2}, at::kInt), at::tensor({0, 1}, at::kInt)),
                     c10::ValueError);
 }
+
+// The deprecated forwarding functions of the C++ API still build and write what the new forms write.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+TEST_CASE("the deprecated quantized writes of the C++ API forward to the new writes", "[api][quant]") {
+  const int64_t h = 2, d = 8, cap = 7;
+  for (auto kv : {at::kChar, at::kFloat8_e4m3fn}) {
+    auto opts = at::TensorOptions().dtype(kv);
+    const auto kn = at::randn({2, h, 3, d}), vn = at::randn({2, h, 3, d});
+    // update_ (host and tensor start) and append_.
+    for (int form = 0; form < 3; ++form) {
+      CAPTURE(form);
+      at::Tensor k[2], v[2], ks[2], vs[2], len[2], out[2];
+      for (int i = 0; i < 2; ++i) {
+        k[i] = at::zeros({2, h, cap, d}, opts);
+        v[i] = at::zeros({2, h, cap, d}, opts);
+        ks[i] = at::ones({2, h, cap});
+        vs[i] = at::ones({2, h, cap});
+        len[i] = at::tensor({int64_t{1}, int64_t{4}});
+      }
+      if (form == 0) {
+        out[0] = kvcache::update_quantized_(k[0], v[0], ks[0], vs[0], kn, vn, int64_t{2});
+        out[1] = kvcache::update_(k[1], v[1], kn, vn, int64_t{2}, ks[1], vs[1]);
+      } else if (form == 1) {
+        out[0] = kvcache::update_quantized_(k[0], v[0], ks[0], vs[0], kn, vn, len[0]);
+        out[1] = kvcache::update_(k[1], v[1], kn, vn, len[1], ks[1], vs[1]);
+      } else {
+        kvcache::append_quantized_(k[0], v[0], ks[0], vs[0], len[0], kn, vn);
+        kvcache::append_(k[1], v[1], len[1], kn, vn, ks[1], vs[1]);
+        out[0] = len[0];
+        out[1] = len[1];
+      }
+      REQUIRE(out[0].equal(out[1]));
+      REQUIRE(same_bytes(k[0], k[1]));
+      REQUIRE(same_bytes(v[0], v[1]));
+      REQUIRE(same_bytes(ks[0], ks[1]));
+      REQUIRE(same_bytes(vs[0], vs[1]));
+      REQUIRE_FALSE(ks[1].equal(at::ones({2, h, cap})));  // something was written
+    }
+    // ring_update_.
+    at::Tensor k[2], v[2], ks[2], vs[2], pos[2], out[2];
+    for (int i = 0; i < 2; ++i) {
+      k[i] = at::zeros({2, h, cap, d}, opts);
+      v[i] = at::zeros({2, h, cap, d}, opts);
+      ks[i] = at::ones({2, h, cap});
+      vs[i] = at::ones({2, h, cap});
+      pos[i] = at::full({2, cap}, -1, at::TensorOptions().dtype(at::kInt));
+    }
+    const auto start = at::tensor({int64_t{5}, int64_t{9}});
+    out[0] = kvcache::ring_update_quantized_(k[0], v[0], ks[0], vs[0], pos[0], kn, vn, start, 1);
+    out[1] = kvcache::ring_update_(k[1], v[1], pos[1], kn, vn, start, 1, ks[1], vs[1]);
+    REQUIRE(out[0].equal(out[1]));
+    for (auto* t : {k, v, ks, vs, pos}) REQUIRE(same_bytes(t[0], t[1]));
+  }
+}
+#pragma GCC diagnostic pop

@@ -137,6 +137,73 @@ def update_reference(keys, values, keys_new, values_new, starts: Union[int, Sequ
     return keys, values
 
 
+#: The largest magnitude of each quantized format (README "Quantized caches").
+QUANT_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
+def quantize_reference(x: torch.Tensor, kv_dtype: torch.dtype):
+    """``(..., head_dim)`` float data -> ``(quantized, float32 scale (...))`` by the formats' definition.
+
+    scale = absmax / qmax (float32, floored at the smallest normal float32, NaN read as 0), data / scale
+    clamped to [-qmax, qmax]; int8 rounds half away from zero (exact in float64), float8_e4m3fn to nearest
+    even.
+    """
+    x = x.float()
+    qmax = QUANT_MAX[kv_dtype]
+    absmax = x.nan_to_num(nan=0.0).abs().amax(-1)
+    scale = torch.clamp(absmax / qmax, min=torch.finfo(torch.float32).tiny)
+    y = (x / scale[..., None]).nan_to_num(nan=0.0).clamp(-qmax, qmax)
+    if kv_dtype == torch.int8:
+        q = (y.sign().double() * (y.abs().double() + 0.5).floor()).to(torch.int8)
+    else:
+        q = y.to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def quantized_update_reference(keys, values, k_scale, v_scale, keys_new, values_new, starts):
+    """Copies of a quantized cache after a write of keys_new / values_new at ``starts`` (an int or one per
+    row): each (row, head, slot) quantized by :func:`quantize_reference` and placed by slicing."""
+    qk, sk = quantize_reference(keys_new, keys.dtype)
+    qv, sv = quantize_reference(values_new, keys.dtype)
+    keys, values = update_reference(keys, values, qk, qv, starts)
+    k_scale, v_scale = update_reference(k_scale[..., None], v_scale[..., None], sk[..., None], sv[..., None], starts)
+    return keys, values, k_scale[..., 0], v_scale[..., 0]
+
+
+def ring_update_reference(keys, values, positions, keys_new, values_new, starts, sinks, k_scale=None, v_scale=None):
+    """Copies of a ring after a write at the logical positions [start_b, start_b + chunk) of each row.
+
+    Position p goes to slot p if p < sinks, else sinks + (p - sinks) % (capacity - sinks); of the chunk only
+    what the ring keeps is placed (the sinks and the last capacity - sinks positions). With scales (a
+    quantized ring) the data is quantized by :func:`quantize_reference` first. Returns (keys, values,
+    positions, k_scale, v_scale) (scales None for a plain ring).
+    """
+    keys, values, positions = keys.clone(), values.clone(), positions.clone()
+    kn, vn, sk, sv = keys_new, values_new, None, None
+    if k_scale is not None:
+        k_scale, v_scale = k_scale.clone(), v_scale.clone()
+        kn, sk = quantize_reference(keys_new, keys.dtype)
+        vn, sv = quantize_reference(values_new, keys.dtype)
+    batch, _, capacity, _ = keys.shape
+    chunk = keys_new.shape[2]
+    if isinstance(starts, int):
+        starts = [starts] * batch
+    for b, start in enumerate(starts):
+        end = start + chunk
+        for t in range(chunk):
+            p = start + t
+            if not (p < sinks or p >= end - (capacity - sinks)):
+                continue
+            slot = p if p < sinks else sinks + (p - sinks) % (capacity - sinks)
+            keys[b, :, slot] = kn[b, :, t]
+            values[b, :, slot] = vn[b, :, t]
+            positions[b, slot] = p
+            if sk is not None:
+                k_scale[b, :, slot] = sk[b, :, t]
+                v_scale[b, :, slot] = sv[b, :, t]
+    return keys, values, positions, k_scale, v_scale
+
+
 def select_reference(keys, values, lengths, index):
     """The buffers after row b takes row index[b]'s filled slots (cloned); beyond them, row b keeps
     its own bytes.

@@ -113,3 +113,49 @@ def test_compiled_overflow_raises_value_error():
     with pytest.raises(Exception, match="KV cache overflow: end=17 exceeds max_len=16"):
         write(cache, k, k)
     assert torch.count_nonzero(cache.keys) == 0
+
+
+@torch.no_grad()
+def test_inductor_quantized_writes_take_whole_buffers_and_scales():
+    """The writes by format under Inductor: a quantized cache's and ring's writes (update_.Tensor, the
+    traced append's append_returning_, ring_update_, and the deprecated update_quantized_ alias, which
+    decomposes into update_) get the graph-input buffers and scales themselves: no clone, no
+    cache- or scale-sized allocation, and the bytes land in the caller's tensors."""
+    torch._dynamo.reset()
+    c = kvcache.init_kv_layer_cache(2, 2, 8, 16, torch.float32, kv_dtype="int8")
+    c.length.fill_(3)
+    r = kvcache.init_ring_layer_cache(2, 2, 8, 4, torch.float32, kv_dtype="int8")
+    k, v = torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8)
+
+    def write(c, r, k, v, s):
+        out = kvcache.update_kv_layer_cache(c, k, v, s)
+        kvcache.append_kv_layer_cache(c, k, v)
+        ring = kvcache.update_ring_layer_cache(r, k, v, s)
+        alias = torch.ops.kvcache.update_quantized_(c.keys, c.values, c.k_scale, c.v_scale, k, v, 9)
+        return out.length, ring.length, alias
+
+    eager_c = kvcache.KVLayerCache(*(t.clone() for t in (c.keys, c.values, c.length, c.k_scale, c.v_scale)))
+    eager_r = kvcache.RingLayerCache(r.keys.clone(), r.values.clone(), r.positions.clone(), r.length.clone(),
+                                     r.window, r.sinks, r.max_step, r.k_scale.clone(), r.v_scale.clone())
+    s = torch.tensor([5, 6])
+    want = write(eager_c, eager_r, k, v, s)
+    got, codes = run_and_get_code(torch.compile(write, fullgraph=True), c, r, k, v, s)
+    code = "\n".join(codes)
+    calls = re.findall(r"torch\.ops\.kvcache\.(\w+)\.(\w+)\(([^)]*)\)", code)
+    assert sorted((op, ov) for op, ov, _ in calls) == [("append_returning_", "default"), ("ring_update_", "default"),
+                                                      ("update_", "Tensor"), ("update_", "default")], calls
+    for _, _, args in calls:
+        # every tensor argument (buffers, scales, positions) is a graph input, not a copy
+        for a in re.findall(r"(?:=|\b)(buf\d+|arg\d+_1)\b", args):
+            assert a.startswith("arg"), (args, code)
+        assert "k_scale=arg" in args and "v_scale=arg" in args, args
+    assert "aten.clone" not in code and ".clone(" not in code
+    for shape in ("(2, 2, 16, 8)", "(2, 2, 16)", f"(2, 2, {r.capacity}, 8)", f"(2, 2, {r.capacity})"):
+        assert not [line for line in code.splitlines() if "empty_strided" in line and shape in line], shape
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    for a, b in [(c.keys, eager_c.keys), (c.values, eager_c.values), (c.k_scale, eager_c.k_scale),
+                 (c.v_scale, eager_c.v_scale), (c.length, eager_c.length), (r.keys, eager_r.keys),
+                 (r.k_scale, eager_r.k_scale), (r.positions, eager_r.positions)]:
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.int8 else a,
+                           b.view(torch.uint8) if b.dtype == torch.int8 else b)

@@ -267,6 +267,52 @@ def new_aliases_scale():
     return (*qcache(), ks, vs, kn, torch.randn(B, H, 1, D))
 
 
+# The writes with their keyword-only scales (k_scale / v_scale; one of them left out where the
+# function takes one): (keys, values, ..., keys_new, values_new, [start,] k_scale, v_scale).
+def s_upd(start, only=None):
+    def call(k, v, kn, vn, *sc):
+        return ops.update_(k, v, kn, vn, start, **_scale_kw(sc, only))
+
+    return call
+
+
+def s_upd_t(only=None):
+    return lambda k, v, kn, vn, s, *sc: ops.update_.Tensor(k, v, kn, vn, s, **_scale_kw(sc, only))
+
+
+def s_app(only=None):
+    def call(k, v, lengths, kn, vn, *sc):
+        ops.append_(k, v, lengths, kn, vn, **_scale_kw(sc, only))
+
+    return call
+
+
+def s_app_r(only=None):
+    return lambda k, v, lengths, kn, vn, *sc: ops.append_returning_(k, v, lengths, kn, vn, **_scale_kw(sc, only))
+
+
+def s_ring(only=None):
+    return lambda k, v, pos, kn, vn, s, *sc: ops.ring_update_(k, v, pos, kn, vn, s, **_scale_kw(sc, only))
+
+
+def _scale_kw(sc, only):
+    # sc: (k_scale, v_scale), or the one scale named by `only`.
+    if only is not None:
+        return {only: sc[0]}
+    return {"k_scale": sc[0], "v_scale": sc[1]}
+
+
+def s_scale_views_keys():
+    k, v = qcache()
+    ks = k.view(torch.float32)[..., :1].reshape(B, H, T)  # (B, H, T) float32 view of the keys' bytes
+    return (k, v, *new(1), ks, torch.ones(B, H, T))
+
+
+def s_lengths_in_scale():
+    ks, vs = scales()
+    return (*qcache(), ks[:, 0, 0].view(torch.int32), *new(1), ks, vs)
+
+
 # ring_update_quantized_: (keys, values, k_scale, v_scale, positions, keys_new, values_new, start).
 def qring(k, v, ks, vs, pos, kn, vn, s):
     return ops.ring_update_quantized_(k, v, ks, vs, pos, kn, vn, s)
@@ -439,6 +485,39 @@ CASES = [
     Case("append_quantized_/lengths-in-k_scale", qapp, lengths_in_scale),
     Case("append_quantized_/v_scale-shape", qapp,
          lambda: (*qcache(), torch.ones(B, H, T), torch.ones(B, H + 1, T), torch.tensor(0), *new(1))),
+    # --- the same writes by format: update_ / update_.Tensor / append_ / append_returning_ / ring_update_ with
+    # k_scale / v_scale (the aliases above decompose into these) ---
+    Case("update_/scales-on-float-cache", s_upd(0), lambda: (*cache(), *new(1), *scales())),
+    Case("update_/no-scales-int8-float-data", upd(0), lambda: (*qcache(), *new(1))),
+    Case("update_/no-scales-fp8-half-data", upd(0), lambda: (*qcache(torch.float8_e4m3fn), *new(1, dtype=torch.half))),
+    Case("update_/k_scale-alone", s_upd(0, "k_scale"), lambda: (*qcache(), *new(1), torch.ones(B, H, T))),
+    Case("update_/v_scale-alone", s_upd(0, "v_scale"), lambda: (*qcache(), *new(1), torch.ones(B, H, T))),
+    Case("update_/k_scale-shape", s_upd(0), lambda: (*qcache(), *new(1), torch.ones(B, H, T + 1), torch.ones(B, H, T))),
+    Case("update_/v_scale-dtype", s_upd(0), lambda: (*qcache(), *new(1), torch.ones(B, H, T), torch.ones(B, H, T).half())),
+    Case("update_/scales-share", s_upd(0), lambda: (lambda sc: (*qcache(), *new(1), sc, sc))(torch.ones(B, H, T))),
+    Case("update_/k_scale-aliases-keys", s_upd(0), s_scale_views_keys),
+    Case("update_/scaled-start-overflow", s_upd(T - 1), lambda: (*qcache(), *new(2), *scales())),
+    Case("update_.Tensor/scales-on-float-cache", s_upd_t(), lambda: (*cache(), *new(1), torch.tensor(0), *scales())),
+    Case("update_.Tensor/v_scale-alone", s_upd_t("v_scale"), lambda: (*qcache(), *new(1), torch.tensor(0),
+                                                                    torch.ones(B, H, T))),
+    Case("update_.Tensor/scaled-start-negative", s_upd_t(), lambda: (*qcache(), *new(1), torch.tensor([0, -1]),
+                                                                     *scales()), runtime=True),
+    Case("append_/scales-on-float-cache", s_app(), lambda: (*cache(), torch.tensor(0), *new(1), *scales())),
+    Case("append_/no-scales-int8-float-data", app, lambda: (*qcache(), torch.tensor(0), *new(1))),
+    Case("append_/lengths-in-k_scale", s_app(), s_lengths_in_scale),
+    Case("append_/k_scale-alone", s_app("k_scale"), lambda: (*qcache(), torch.tensor(0), *new(1), torch.ones(B, H, T))),
+    Case("append_returning_/scales-on-float-cache", s_app_r(), lambda: (*cache(), torch.tensor(0), *new(1), *scales())),
+    Case("append_returning_/v_scale-shape", s_app_r(), lambda: (*qcache(), torch.tensor(0), *new(1), torch.ones(B, H, T),
+                                                                torch.ones(B, H + 1, T))),
+    Case("append_returning_/scaled-lengths-overflow", s_app_r(), lambda: (*qcache(), torch.tensor([T, 0]), *new(1),
+                                                                          *scales()), runtime=True),
+    Case("ring_update_/scales-on-float-cache", s_ring(), lambda: (*cache(), ring_pos(), *new(1), torch.tensor(0),
+                                                                  *scales())),
+    Case("ring_update_/no-scales-int8-float-data", ring, lambda: (*qcache(), ring_pos(), *new(1), torch.tensor(0))),
+    Case("ring_update_/k_scale-alone", s_ring("k_scale"), lambda: (*qcache(), ring_pos(), *new(1), torch.tensor(0),
+                                                                   torch.ones(B, H, T))),
+    Case("ring_update_/positions-in-k_scale", s_ring(), lambda: (lambda ks, vs: (
+        *qcache(), ks[:, 0, :].view(torch.int32).reshape(B, T), *new(1), torch.tensor(0), ks, vs))(*scales())),
     # --- attend on a quantized cache ---
     Case("attend/quantized-no-scales", att(), lambda: (q_(), *qcache(), torch.tensor(3))),
     Case("attend/scales-on-float-cache", qatt, lambda: (q_(), *cache(), torch.tensor(3), *scales())),

@@ -198,23 +198,39 @@ def _paged_samples(op):
     return [((q, kp, vp, table, lens, cu), {}), ((q, kp, vp, table, lens, cu), {"window": 4, "softcap": 2.0})]
 
 
-# Samples (args, kwargs) of every operator, by its dispatcher name.
+def _with_scales(samples, at):
+    """The quantized samples of an alias as samples of the new write: the scales (positional at `at` in
+    the alias) moved to the keyword-only k_scale / v_scale of the new schema."""
+    for args, kwargs in samples:
+        args = list(args)
+        ks, vs = args.pop(at), args.pop(at)
+        yield tuple(args), {**kwargs, "k_scale": ks, "v_scale": vs}
+
+
+def _scaled(alias_samples):
+    # (keys, values, k_scale, v_scale, ...) -> (keys, values, ...), k_scale=, v_scale=
+    return list(_with_scales(alias_samples, 2))
+
+
+# Samples (args, kwargs) of every operator, by its dispatcher name. The writes' samples include their
+# quantized form (k_scale / v_scale given); the deprecated aliases keep their own.
 SAMPLES = {
     "paged_write_": lambda: _paged_samples("write"),
     "paged_attend": lambda: _paged_samples("attend"),
     "init_layer_cache": lambda: [((2, 3, 8, 16), {"dtype": d, "device": torch.device("cpu")}) for d in (None, torch.bfloat16)],
-    "update_": lambda: _update_samples(5),
-    "update_.Tensor": lambda: _update_samples(torch.tensor([0, 9], dtype=torch.int32)),
-    "append_": _append_samples,
+    "update_": lambda: [*_update_samples(5), *_scaled(_update_quantized_samples(5))],
+    "update_.Tensor": lambda: [*_update_samples(torch.tensor([0, 9], dtype=torch.int32)),
+                               *_scaled(_update_quantized_samples(torch.tensor([0, 9], dtype=torch.int32)))],
+    "append_": lambda: [*_append_samples(), *_scaled(_append_quantized_samples())],
     "update_quantized_": lambda: _update_quantized_samples(5),
     "update_quantized_.Tensor": lambda: _update_quantized_samples(torch.tensor([0, 9], dtype=torch.int32)),
     "append_quantized_": _append_quantized_samples,
     "attend": lambda: [*_attend_samples(), *_ring_attend_samples(), *_attend_quantized_samples()],
-    "ring_update_": _ring_update_samples,
+    "ring_update_": lambda: [*_ring_update_samples(), *_scaled(_ring_update_quantized_samples())],
     "ring_update_quantized_": _ring_update_quantized_samples,
     "rollback": _rollback_samples,
     "select_rows_": _select_rows_samples,
-    "append_returning_": _append_samples,
+    "append_returning_": lambda: [*_append_samples(), *_scaled(_append_quantized_samples())],
     "reset_rows": lambda: [((torch.tensor([3, 4, 5], dtype=torch.int32), r), {})
                            for r in (torch.tensor([True, False, True]), torch.tensor([2, 0]), torch.tensor(1))],
     "check_lengths_writable": lambda: [((torch.tensor([3, 4], dtype=torch.int32),), {}), ((torch.tensor(5),), {})],

@@ -83,51 +83,67 @@ KVCACHE_API std::tuple<at::Tensor, at::Tensor, at::Tensor> init_layer_cache(
     int64_t max_len, at::ScalarType dtype, c10::Device device = c10::kCPU);
 
 /// kvcache::update_: writes keys_new / values_new (batch, num_kv_heads,
-/// chunk, head_dim) into keys / values at rows [start, start + chunk), in
-/// place. Returns the new length, start + chunk, as a new int32 0-D tensor.
-KVCACHE_API at::Tensor update_(at::Tensor& keys, at::Tensor& values,
-                               const at::Tensor& keys_new,
-                               const at::Tensor& values_new, int64_t start);
+/// chunk, head_dim) into keys / values (batch, num_kv_heads, max_len,
+/// head_dim) at rows [start, start + chunk), in place. Returns the new
+/// length, start + chunk, as a new int32 0-D tensor.
+///
+/// The format comes from the cache's dtype and the scales (both or
+/// neither). Without k_scale / v_scale the write is plain: keys_new /
+/// values_new have the cache's dtype and are copied as they are. With them
+/// the cache is quantized: keys / values are int8 (at::kChar) or
+/// float8_e4m3fn, keys_new / values_new float32, bfloat16 or float16 (one
+/// dtype), quantized per (row, KV head, slot), their float32 scales written
+/// into k_scale / v_scale (batch, num_kv_heads, max_len).
+/// Throws c10::ValueError / c10::TypeError, with nothing written, for a bad
+/// start, shape, dtype, device or aliasing, one scale without the other,
+/// scales with a plain cache or float data for an int8 / fp8 cache without
+/// scales.
+KVCACHE_API at::Tensor update_(
+    at::Tensor& keys, at::Tensor& values, const at::Tensor& keys_new,
+    const at::Tensor& values_new, int64_t start,
+    const std::optional<at::Tensor>& k_scale = std::nullopt,
+    const std::optional<at::Tensor>& v_scale = std::nullopt);
 
 /// kvcache::update_.Tensor: as above, with the start read on the device from
 /// `start` (int32/int64, 0-D or (batch,)); no host synchronization. Returns
 /// start + chunk as int32, of the start's shape. On CUDA, if any start is
 /// out of range nothing is written and every returned length is -1.
-KVCACHE_API at::Tensor update_(at::Tensor& keys, at::Tensor& values,
-                               const at::Tensor& keys_new,
-                               const at::Tensor& values_new,
-                               const at::Tensor& start);
+KVCACHE_API at::Tensor update_(
+    at::Tensor& keys, at::Tensor& values, const at::Tensor& keys_new,
+    const at::Tensor& values_new, const at::Tensor& start,
+    const std::optional<at::Tensor>& k_scale = std::nullopt,
+    const std::optional<at::Tensor>& v_scale = std::nullopt);
 
 /// kvcache::append_: writes at lengths (0-D or (batch,), int32/int64) and
-/// advances lengths by chunk, in place. On CUDA, if any row would overflow
-/// nothing is written and every length becomes -1.
+/// advances lengths by chunk, in place; scales as update_. On CUDA, if any
+/// row would overflow nothing is written and every length becomes -1.
 KVCACHE_API void append_(at::Tensor& keys, at::Tensor& values,
                          at::Tensor& lengths, const at::Tensor& keys_new,
-                         const at::Tensor& values_new);
+                         const at::Tensor& values_new,
+                         const std::optional<at::Tensor>& k_scale = std::nullopt,
+                         const std::optional<at::Tensor>& v_scale = std::nullopt);
 
-/// kvcache::update_quantized_ / update_quantized_.Tensor / append_quantized_:
-/// the writes of a quantized cache (int8 or float8_e4m3fn keys / values):
-/// keys_new / values_new (float32, bfloat16 or float16) are quantized per
-/// (row, KV head, slot), their scales written into k_scale / v_scale
-/// ((batch, num_kv_heads, max_len) float32). Same starts, checks and
-/// results as update_ / append_.
-KVCACHE_API at::Tensor update_quantized_(at::Tensor& keys, at::Tensor& values,
-                                         at::Tensor& k_scale,
-                                         at::Tensor& v_scale,
-                                         const at::Tensor& keys_new,
-                                         const at::Tensor& values_new,
-                                         int64_t start);
-KVCACHE_API at::Tensor update_quantized_(at::Tensor& keys, at::Tensor& values,
-                                         at::Tensor& k_scale,
-                                         at::Tensor& v_scale,
-                                         const at::Tensor& keys_new,
-                                         const at::Tensor& values_new,
-                                         const at::Tensor& start);
-KVCACHE_API void append_quantized_(at::Tensor& keys, at::Tensor& values,
-                                   at::Tensor& k_scale, at::Tensor& v_scale,
-                                   at::Tensor& lengths,
-                                   const at::Tensor& keys_new,
-                                   const at::Tensor& values_new);
+/// Deprecated (kept for one release; the operators kvcache::update_quantized_
+/// / append_quantized_ are aliases of the writes above): call update_ /
+/// append_ with k_scale and v_scale.
+[[deprecated("call kvcache::update_ with k_scale and v_scale")]] inline at::Tensor
+update_quantized_(at::Tensor& keys, at::Tensor& values, at::Tensor& k_scale,
+                  at::Tensor& v_scale, const at::Tensor& keys_new,
+                  const at::Tensor& values_new, int64_t start) {
+  return update_(keys, values, keys_new, values_new, start, k_scale, v_scale);
+}
+[[deprecated("call kvcache::update_ with k_scale and v_scale")]] inline at::Tensor
+update_quantized_(at::Tensor& keys, at::Tensor& values, at::Tensor& k_scale,
+                  at::Tensor& v_scale, const at::Tensor& keys_new,
+                  const at::Tensor& values_new, const at::Tensor& start) {
+  return update_(keys, values, keys_new, values_new, start, k_scale, v_scale);
+}
+[[deprecated("call kvcache::append_ with k_scale and v_scale")]] inline void
+append_quantized_(at::Tensor& keys, at::Tensor& values, at::Tensor& k_scale,
+                  at::Tensor& v_scale, at::Tensor& lengths,
+                  const at::Tensor& keys_new, const at::Tensor& values_new) {
+  append_(keys, values, lengths, keys_new, values_new, k_scale, v_scale);
+}
 
 /// kvcache::attend: attention of q (batch, num_heads, seq, head_dim) over the
 /// filled slots [kv_start, lengths) of keys / values; query i of row b sits
@@ -276,28 +292,33 @@ struct RingKV {
 /// positions [start, start + chunk) of each row (start: int32/int64, 0-D or
 /// (batch,), read on the device) and records them in positions, in one pass;
 /// a chunk longer than the ring writes only what it keeps. Returns start +
-/// chunk (int32). Throws c10::ValueError for a negative start or one past
-/// int32 (CPU); on CUDA nothing is written and every returned length is -1.
-KVCACHE_API at::Tensor ring_update_(at::Tensor& keys, at::Tensor& values,
-                                    at::Tensor& positions,
-                                    const at::Tensor& keys_new,
-                                    const at::Tensor& values_new,
-                                    const at::Tensor& start, int64_t sinks = 0);
+/// chunk (int32, start's shape). With k_scale / v_scale (float32 (batch,
+/// num_kv_heads, capacity)) the ring is quantized (int8 / float8_e4m3fn keys
+/// and values): keys_new / values_new (float32, bfloat16 or float16) are
+/// quantized per (row, head, position) as update_ does and written with
+/// their scales and positions at the same slots, in one pass. Throws
+/// c10::ValueError / c10::TypeError for bad shapes, dtypes, devices,
+/// aliasing, scales (as update_) or (CPU) a negative start or one past
+/// int32, with nothing written; on CUDA a bad start writes nothing and every
+/// returned length is -1.
+KVCACHE_API at::Tensor ring_update_(
+    at::Tensor& keys, at::Tensor& values, at::Tensor& positions,
+    const at::Tensor& keys_new, const at::Tensor& values_new,
+    const at::Tensor& start, int64_t sinks = 0,
+    const std::optional<at::Tensor>& k_scale = std::nullopt,
+    const std::optional<at::Tensor>& v_scale = std::nullopt);
 
-/// kvcache::ring_update_quantized_: ring_update_ for a quantized ring (keys
-/// / values int8 or float8_e4m3fn (batch, num_kv_heads, capacity,
-/// head_dim), k_scale / v_scale float32 (batch, num_kv_heads, capacity)):
-/// keys_new / values_new (float32, bfloat16 or float16, (batch,
-/// num_kv_heads, chunk, head_dim)) are quantized per (row, head, position)
-/// as update_quantized_ does and written with their scales and positions at
-/// the slots ring_update_ picks, in one pass. Returns start + chunk (int32,
-/// start's shape). Throws c10::ValueError / c10::TypeError for bad shapes,
-/// dtypes, devices, aliasing or (CPU) starts, with nothing written; on CUDA
-/// a bad start writes nothing and every returned length is -1.
-KVCACHE_API at::Tensor ring_update_quantized_(
-    at::Tensor& keys, at::Tensor& values, at::Tensor& k_scale,
-    at::Tensor& v_scale, at::Tensor& positions, const at::Tensor& keys_new,
-    const at::Tensor& values_new, const at::Tensor& start, int64_t sinks = 0);
+/// Deprecated (kept for one release; the operator
+/// kvcache::ring_update_quantized_ is an alias of ring_update_): call
+/// ring_update_ with k_scale and v_scale.
+[[deprecated("call kvcache::ring_update_ with k_scale and v_scale")]] inline at::Tensor
+ring_update_quantized_(at::Tensor& keys, at::Tensor& values, at::Tensor& k_scale,
+                       at::Tensor& v_scale, at::Tensor& positions,
+                       const at::Tensor& keys_new, const at::Tensor& values_new,
+                       const at::Tensor& start, int64_t sinks = 0) {
+  return ring_update_(keys, values, positions, keys_new, values_new, start,
+                      sinks, k_scale, v_scale);
+}
 
 /// Creates an empty ring (zero buffers, positions -1, length 0). Throws
 /// c10::ValueError for window < 1, sinks < 0, max_step < 1 or a capacity of
@@ -318,9 +339,9 @@ KVCACHE_API RingLayerCache init_quantized_ring_layer_cache(
 /// Writes a chunk at cache.length (advanced in place) and returns what the
 /// chunk's queries attend over (see RingKV): write-then-attend for any
 /// chunk length, exact. A quantized ring's write is one
-/// ring_update_quantized_ (data, scales and positions in one pass); a chunk
+/// ring_update_ with the scales (data, scales and positions in one pass); a chunk
 /// longer than max_step is also quantized into a chunk-sized buffer
-/// (update_quantized_) for the returned view.
+/// (update_ with scales) for the returned view.
 KVCACHE_API RingKV write_ring_layer_cache(const RingLayerCache& cache,
                                           const at::Tensor& keys_new,
                                           const at::Tensor& values_new);
