@@ -372,6 +372,48 @@ void rollback_ring_layer_cache(const RingLayerCache& cache, int64_t n) {
   length.copy_(rollback(length, at::full({}, n, length.options().dtype(at::kLong))));
 }
 
+void select_rows_ring_layer_cache(const RingLayerCache& cache, const at::Tensor& index) {
+  check_length_writable(cache.length);
+  const int64_t batch = cache.keys.size(0);
+  TORCH_CHECK_VALUE(cache.positions.dim() == 2 && cache.positions.size(0) == batch &&
+                        cache.positions.size(1) == cache.capacity(),
+                    "positions must be (batch, capacity) = (", batch, ", ", cache.capacity(),
+                    "), got ", cache.positions.sizes());
+  // Every slot moves: select_rows_ over lengths of the whole capacity, the
+  // scales first as (..., capacity, 1) caches (select_rows_kv_layer_cache's
+  // order: a call that fails raises before either writes).
+  const at::Tensor full =
+      at::full({}, cache.capacity(), cache.length.options().dtype(at::kInt));
+  if (cache.quantized()) {
+    at::Tensor ks = cache.k_scale.unsqueeze(-1);
+    at::Tensor vs = cache.v_scale.unsqueeze(-1);
+    select_rows_(ks, vs, full, index);
+  }
+  at::Tensor keys = cache.keys, values = cache.values;
+  const at::Tensor ok = select_rows_(keys, values, full, index).ge(0);
+  const at::Tensor safe = index.clamp(0, std::max<int64_t>(batch - 1, 0)).to(at::kLong);
+  at::Tensor positions = cache.positions;
+  positions.copy_(at::where(ok, positions.index_select(0, safe), positions));
+  at::Tensor length = cache.length;
+  const at::Tensor moved = length.dim() == 1 ? length.index_select(0, safe) : length.clone();
+  length.copy_(at::where(ok, moved, at::full({}, -1, length.options())));
+}
+
+void reset_rows_ring_layer_cache(const RingLayerCache& cache, const at::Tensor& rows) {
+  TORCH_CHECK_VALUE(cache.length.dim() == 1,
+                    "reset_rows_ring_layer_cache needs a per-row length of shape (batch,), got a ",
+                    cache.length.dim(), "-D length");
+  check_length_writable(cache.length);
+  // Every row checked by reset_rows before anything is written; the rows
+  // emptied are those whose length of 1 becomes 0 (none on CUDA's all -1).
+  const at::Tensor length = reset_rows(cache.length, rows);
+  const at::Tensor emptied = reset_rows(at::ones_like(cache.length), rows).eq(0);
+  at::Tensor positions = cache.positions;
+  positions.masked_fill_(emptied.view({-1, 1}), -1);
+  at::Tensor l = cache.length;
+  l.copy_(length);
+}
+
 // ---- Paged caches -----------------------------------------------------------
 
 void paged_write_(at::Tensor& key_pages, at::Tensor& value_pages, const at::Tensor& key,
@@ -397,6 +439,24 @@ at::Tensor paged_attend(const at::Tensor& q, const at::Tensor& key_pages,
   return op.call(q, key_pages, value_pages, block_table, context_lens, cu_seqlens_q,
                  options.scale, options.window, options.softcap, options.key_scales,
                  options.value_scales, options.sink_logits);
+}
+
+at::Tensor attend(const at::Tensor& q, const PagedKV& kv, const AttendOptions& options) {
+  TORCH_CHECK_VALUE(!options.kv_start.has_value() && !options.positions.has_value() &&
+                        options.sinks == 0,
+                    "attend over pages: kv_start, positions and sinks do not apply to pages "
+                    "(a sequence's slots are its pages; its first position is 0)");
+  TORCH_CHECK_VALUE(!options.k_scale.has_value() && !options.v_scale.has_value(),
+                    "attend over pages: the scales come from kv.key_scales / kv.value_scales");
+  PagedAttendOptions o;
+  o.scale = options.scale;
+  o.window = options.window;
+  o.softcap = options.softcap;
+  o.sink_logits = options.sink_logits;
+  if (kv.key_scales.defined()) o.key_scales = kv.key_scales;
+  if (kv.value_scales.defined()) o.value_scales = kv.value_scales;
+  return paged_attend(q, kv.key_pages, kv.value_pages, kv.block_table, kv.context_lens,
+                      kv.cu_seqlens_q, o);
 }
 
 BlockAllocator::BlockAllocator(int64_t num_blocks, int64_t block_size)

@@ -356,6 +356,46 @@ TEST_CASE("a ring through the C++ API: wraps, long chunks and rollback match the
                     c10::ValueError);
 }
 
+TEST_CASE("ring row operations through the C++ API: select and reset rows in place", "[api][ring]") {
+  // Three rows of a window-4 ring (capacity 5) after 7 writes: wrapped, different contents.
+  auto ring = kvcache::init_ring_layer_cache(3, 2, D, 4, at::kFloat, c10::kCPU, 0, 2);
+  ring.length = at::zeros({3}, at::kInt);
+  for (int64_t t = 0; t < 7; ++t) {
+    at::Tensor k = at::randn({3, 2, 1, D});
+    kvcache::write_ring_layer_cache(ring, k, k * 2);
+  }
+  ring.length.copy_(at::tensor({7, 7, 7}, at::kInt));
+  const at::Tensor keys0 = ring.keys.clone(), values0 = ring.values.clone(), pos0 = ring.positions.clone();
+  const at::Tensor index = at::tensor({2, 2, 0}, at::kLong);
+  kvcache::select_rows_ring_layer_cache(ring, index);
+  // Against plain indexing of the saved rows.
+  REQUIRE(at::equal(ring.keys, keys0.index_select(0, index)));
+  REQUIRE(at::equal(ring.values, values0.index_select(0, index)));
+  REQUIRE(at::equal(ring.positions, pos0.index_select(0, index)));
+  // An int32 index works; one out of range moves nothing.
+  kvcache::select_rows_ring_layer_cache(ring, at::tensor({0, 1, 2}, at::kInt));
+  const at::Tensor keys1 = ring.keys.clone(), pos1 = ring.positions.clone(), len1 = ring.length.clone();
+  REQUIRE_THROWS_AS(kvcache::select_rows_ring_layer_cache(ring, at::tensor({0, 3, 1}, at::kLong)),
+                    c10::ValueError);
+  REQUIRE(at::equal(ring.keys, keys1));
+  REQUIRE(at::equal(ring.positions, pos1));
+  REQUIRE(at::equal(ring.length, len1));
+
+  // reset: row 1 empties (length 0, positions -1); a bad mask changes nothing.
+  kvcache::reset_rows_ring_layer_cache(ring, at::tensor({1}, at::kLong));
+  REQUIRE(at::equal(ring.length, at::tensor({7, 0, 7}, at::kInt)));
+  REQUIRE(at::equal(ring.positions[1], at::full({ring.capacity()}, -1, at::kInt)));
+  REQUIRE(at::equal(ring.positions[0], pos1[0]));
+  const at::Tensor pos2 = ring.positions.clone();
+  REQUIRE_THROWS_AS(kvcache::reset_rows_ring_layer_cache(ring, at::ones({1}, at::kBool)), c10::ValueError);
+  REQUIRE_THROWS_AS(kvcache::reset_rows_ring_layer_cache(ring, at::tensor({-1}, at::kLong)), c10::ValueError);
+  REQUIRE(at::equal(ring.positions, pos2));
+  REQUIRE(at::equal(ring.length, at::tensor({7, 0, 7}, at::kInt)));
+  kvcache::reset_rows_ring_layer_cache(ring, at::tensor({1, 0, 1}).to(at::kBool));
+  REQUIRE(at::equal(ring.length, at::zeros({3}, at::kInt)));
+  REQUIRE(at::equal(ring.positions, at::full_like(ring.positions, -1)));
+}
+
 TEST_CASE("a quantized ring through the C++ API matches a quantized linear cache read with the window",
           "[api][ring][quant]") {
   // Both quantize each token the same way (one scale per row, head and slot), so the ring (window
@@ -515,6 +555,18 @@ TEST_CASE("paged caches through the C++ API: allocator, write, attend, fork, fre
   at::Tensor out = kvcache::paged_attend(q, kp, vp, table, alloc.context_lens(seqs),
                                          at::tensor({0, 20, 21, 24}, at::kInt));
   REQUIRE(at::allclose(out.to(at::kDouble), paged_reference(q, kp, vp, table, prompt, cu), 1e-5, 1e-5));
+  // The same through attend over a PagedKV (one attend for every layout), with a window.
+  kvcache::PagedKV pkv{kp, vp, table, alloc.context_lens(seqs), at::tensor({0, 20, 21, 24}, at::kInt), {}, {}};
+  REQUIRE(at::equal(kvcache::attend(q, pkv), out));
+  kvcache::AttendOptions wopt;
+  wopt.window = 5;
+  kvcache::PagedAttendOptions popt;
+  popt.window = 5;
+  REQUIRE(at::equal(kvcache::attend(q, pkv, wopt),
+                    kvcache::paged_attend(q, kp, vp, table, pkv.context_lens, pkv.cu_seqlens_q, popt)));
+  kvcache::AttendOptions bad;
+  bad.kv_start = at::zeros({3}, at::kInt);
+  REQUIRE_THROWS_AS(kvcache::attend(q, pkv, bad), c10::ValueError);
 
   // fork: the full blocks shared, the partial last block (20 = 2 x 8 + 4) copied.
   alloc.fork(3, 4, {kp, vp});

@@ -357,6 +357,24 @@ KVCACHE_API at::Tensor attend(const at::Tensor& q, const RingKV& kv,
 KVCACHE_API void rollback_ring_layer_cache(const RingLayerCache& cache,
                                            int64_t n);
 
+/// Row b of the ring takes row index[b]'s slots, positions, length (and a
+/// quantized ring's scales), in place: beam search and forking, as
+/// select_rows_kv_layer_cache for a linear cache. index: (batch,) int32 /
+/// int64 in [0, batch). Throws c10::ValueError (an index out of range,
+/// positions not (batch, capacity), a length that cannot be written in
+/// place) before anything moves (CPU; on CUDA a bad index moves nothing and
+/// every length becomes -1).
+KVCACHE_API void select_rows_ring_layer_cache(const RingLayerCache& cache,
+                                              const at::Tensor& index);
+
+/// Empties the given rows of the ring: length 0 and every slot's position
+/// -1 (keys and values are not zeroed; empty slots are never read). rows: a
+/// (batch,) bool mask or int32 / int64 row indices, checked by reset_rows as
+/// reset_rows_kv_layer_cache checks them; cache.length must be (batch,).
+/// Throws c10::ValueError / c10::TypeError before anything changes.
+KVCACHE_API void reset_rows_ring_layer_cache(const RingLayerCache& cache,
+                                             const at::Tensor& rows);
+
 /// Creates one empty KVLayerCache per layer (distinct buffers).
 KVCACHE_API std::vector<KVLayerCache> init_decoder_kv_caches(
     int64_t num_layers, int64_t batch_size, int64_t num_kv_heads,
@@ -412,6 +430,29 @@ KVCACHE_API at::Tensor paged_attend(const at::Tensor& q, const at::Tensor& key_p
                                     const at::Tensor& context_lens,
                                     const at::Tensor& cu_seqlens_q,
                                     const PagedAttendOptions& options = {});
+
+/// One layer's paged cache as attend reads it: key / value pages
+/// (num_blocks, block_size, num_kv_heads, head_dim), the block table
+/// (num_seqs, max_blocks) int32 (-1 padded), context_lens (num_seqs,) and
+/// cu_seqlens_q (num_seqs + 1,) (see paged_attend); quantized pages' float32
+/// (num_blocks, block_size, num_kv_heads) scales (undefined: plain pages).
+struct PagedKV {
+  at::Tensor key_pages;
+  at::Tensor value_pages;
+  at::Tensor block_table;
+  at::Tensor context_lens;
+  at::Tensor cu_seqlens_q;
+  at::Tensor key_scales;
+  at::Tensor value_scales;
+};
+
+/// Attention of q (total_q, num_heads, head_dim) over pages, as
+/// attend(q, cache) over a linear cache or a ring: paged_attend with the
+/// pages' scales from kv and scale, window, softcap and sink_logits from
+/// options (options.kv_start, positions and sinks do not apply to pages:
+/// c10::ValueError if given).
+KVCACHE_API at::Tensor attend(const at::Tensor& q, const PagedKV& kv,
+                              const AttendOptions& options = {});
 
 /// Hands out pages to sequences (host bookkeeping, no tensor is touched but
 /// by fork's copy): each sequence owns a list of blocks; reference counts
