@@ -143,7 +143,7 @@ inline int64_t value_chunk_slots(int64_t row_bytes) {
 }
 
 // The row geometry of a task's in-place key and value streams over
-// `visible` slots (a linear task's or a ring's), set once per task; each
+// `visible` slots (of any layout), set once per task; each
 // block adds its own v_cur and next-block rows.
 template <typename TKV>
 inline Ahead stream_geometry(const AttendParams& p, int64_t dim, int64_t visible) {
@@ -1206,7 +1206,7 @@ template <typename T, typename TKV>
 constexpr bool kBf16Pairs =
     Vec::kBf16Dot && std::is_same_v<T, c10::BFloat16> && std::is_same_v<TKV, c10::BFloat16>;
 
-// A task's start, for linear and ring tasks alike: its queries (the G heads
+// A task's start, for every layout: its queries (the G heads
 // of each KV head t.kvh + h at positions [t.i0, t.i1), rows h * R + ti * G + g)
 // scaled into sc.q where a block may read them (Plan::f32_queries(); rounded
 // into sc.q16 for the integer loops), copied as given into sc.qh for the
@@ -1448,10 +1448,19 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
   // rows after it: the block's next run, else the next block's first (the
   // integer loops ask for them between their score tiles; the GEMM loops
   // spread them over their tiles).
+  // A grouped task (Task::heads > 1) whose heads sit side by side in each
+  // slot (pages): the first head's pass asks for whole slots, every head's
+  // strip as one stream, and the later heads' passes find them in cache
+  // (they ask only for their own rows ahead, which costs an issue slot a
+  // line) instead of each walking a strided stream of strips.
+  const bool whole_slots = t.heads > 1 && p.k_stride[1] == D && p.v_stride[1] == D;
+  Ahead slot_streams = streams;
+  slot_streams.row_bytes = streams.row_bytes * t.heads;
   auto run_ahead = [&](int64_t h, int64_t j, int64_t je, int64_t c1, int64_t cend) {
     Ahead a;
     if (!(plan.keys_in_place() && plan.values_in_place())) return a;
-    a = streams;
+    if (whole_slots && h > 0) return streams;
+    a = whole_slots ? slot_streams : streams;
     a.v_cur = reinterpret_cast<const char*>(V.at(j) + h * p.v_stride[1]);
     const int64_t next = je < c1 ? je : cend < task_hi ? cend : -1;
     if (next >= 0) {

@@ -202,8 +202,9 @@ struct Scratch {
   // Plan::chunks: a block's keys packed and transposed (dim_pad x kBlock).
   std::vector<float> kt;
   std::vector<int64_t> lo, hi;
-  // Rings: the gathered slots of a task and their positions, and the
-  // per-(position, slot) visibility of a block.
+  // Rings: the task's selected slots, their positions and consecutive
+  // runs (SlotRows::sel, sel_run), and the per-(position, slot)
+  // visibility of a block.
   std::vector<int64_t> sel, sel_pos, sel_run;
   std::vector<unsigned char> vis;
   // Visible slots each query position saw so far (rings), and in the
