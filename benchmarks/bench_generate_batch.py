@@ -111,6 +111,11 @@ def gemm_rate(cfg, dtype: torch.dtype, rows: int = 512, reps: int = 5, rounds: i
     return 2.0 * rows * cfg.hidden_size * cfg.intermediate_size * reps / best
 
 
+def head_dim_of(cfg) -> int:
+    """The model's head_dim: its config's, else hidden_size / num_attention_heads."""
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
 def work_flops(model, reqs, new_tokens: int) -> float:
     """The FLOPs the requests need: 2 x (weights used per token) per token processed (prompt and
     generated), attention's 4 x heads x head_dim per (query, visible key), and the lm_head once per
@@ -119,8 +124,7 @@ def work_flops(model, reqs, new_tokens: int) -> float:
     body = sum(p.numel() for name, p in model.named_parameters()
                if "embed_tokens" not in name and "lm_head" not in name)
     lm_head = cfg.vocab_size * cfg.hidden_size
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    per_pair = 4.0 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim
+    per_pair = 4.0 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim_of(cfg)
     flops = 0.0
     for r in reqs:
         total = len(r) + new_tokens
@@ -186,8 +190,7 @@ def main() -> None:
     for dtype_name in args.dtype:
         model = load(gguf, DTYPES[dtype_name])
         cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * DTYPES[dtype_name].itemsize
+        per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim_of(cfg) * DTYPES[dtype_name].itemsize
         for threads in thread_settings(args.threads):
             with num_threads(threads) as nt:
                 run(model, args.attn[0], prompts(2, 4, 8, cfg.vocab_size, seed=99), 2, args.max_batch_tokens)
