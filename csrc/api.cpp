@@ -201,7 +201,15 @@ KVLayerCache select_rows_kv_layer_cache(const KVLayerCache& cache,
                                         const at::Tensor& index) {
   check_length_writable(cache.length);
   KVLayerCache c = cache;
-  if (c.quantized()) {
+  if (c.k_scale.defined() || c.v_scale.defined()) {
+    // The quantized write's own checks of the scales (both or neither, each
+    // float32 (batch, num_kv_heads, max_len), sharing no memory), by an
+    // empty write that writes nothing: select_rows_ below moves any
+    // (..., n, 1) buffer and would take mismatched scales (kvcache.rows'
+    // check_scales in Python).
+    const at::Tensor empty = at::empty(
+        {c.keys.size(0), c.keys.size(1), 0, c.keys.size(3)}, c.keys.options().dtype(at::kFloat));
+    update_(c.keys, c.values, empty, empty, 0, scale_arg(c.k_scale), scale_arg(c.v_scale));
     // The scales are (batch, heads, max_len) buffers indexed like the
     // slots: moved as (..., max_len, 1) caches by the same operator (the
     // same checks: a call that fails raises before either writes).
@@ -374,6 +382,21 @@ void rollback_ring_layer_cache(const RingLayerCache& cache, int64_t n) {
 
 void select_rows_ring_layer_cache(const RingLayerCache& cache, const at::Tensor& index) {
   check_length_writable(cache.length);
+  {
+    // The ring write's own checks of the ring's tensors (positions; a
+    // quantized ring's scales: both or neither, float32 (batch,
+    // num_kv_heads, capacity), sharing no memory), by an empty write that
+    // writes nothing, before anything moves: select_rows_ moves any
+    // (..., n, 1) scale buffer (kvcache.rows' check_ring_tensors in Python).
+    RingLayerCache c = cache;
+    const bool quantized = c.k_scale.defined() || c.v_scale.defined();
+    const at::Tensor empty =
+        at::empty({c.keys.size(0), c.keys.size(1), 0, c.keys.size(3)},
+                  c.keys.options().dtype(quantized ? at::kFloat : c.keys.scalar_type()));
+    ring_update_(c.keys, c.values, c.positions, empty, empty,
+                 at::zeros({}, c.keys.options().dtype(at::kInt)), c.sinks, scale_arg(c.k_scale),
+                 scale_arg(c.v_scale));
+  }
   const int64_t batch = cache.keys.size(0);
   TORCH_CHECK_VALUE(cache.positions.dim() == 2 && cache.positions.size(0) == batch &&
                         cache.positions.size(1) == cache.capacity(),

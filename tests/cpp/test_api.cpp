@@ -3,6 +3,8 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <functional>
+#include <optional>
 #include <vector>
 
 #include "catch.h"
@@ -689,9 +691,8 @@ kvcache::RingLayerCache filled_ring(std::optional<at::ScalarType> kv) {
 
 std::vector<at::Tensor> ring_buffers(const kvcache::RingLayerCache& r) {
   std::vector<at::Tensor> out{r.keys, r.values, r.positions, r.length};
-  if (r.quantized()) {
-    out.push_back(r.k_scale);
-    out.push_back(r.v_scale);
+  for (const auto& s : {r.k_scale, r.v_scale}) {
+    if (s.defined()) out.push_back(s);
   }
   return out;
 }
@@ -840,5 +841,58 @@ TEST_CASE("attend over pages: kv_start, positions, sinks and scales in the optio
     // Only one of the page scales: the paged operator names it.
     kvcache::PagedKV half{kp, vp, table, pkv.context_lens, cu, ksc, {}};
     REQUIRE_THROWS(kvcache::attend(q, half));
+  }
+}
+
+TEST_CASE("row selection of a quantized cache or ring with mismatched scales raises naming the scale, nothing moves",
+          "[api][ring][quant][mistakes]") {
+  // What kvcache.rows refuses in Python (check_scales / check_ring_tensors): scales of the wrong
+  // shape, dtype, one without the other, or sharing memory. The C++ functions moved the scales
+  // with a plain select_rows_ over (..., max_len, 1) views, which accepted any of these (a longer
+  // scale buffer, half scales, the same buffer twice) or threw a bare c10::Error.
+  const at::Tensor index = at::tensor({2, 0, 1}, at::kLong);
+  auto ring_with = [&](auto&& edit) {
+    auto ring = filled_ring(at::kChar);
+    edit(ring);
+    return ring;
+  };
+  const int64_t cap = filled_ring(at::kChar).capacity();
+  struct Case {
+    const char* name;
+    std::function<void(kvcache::RingLayerCache&)> edit;
+    bool type_error;
+    const char* needle;
+  };
+  const std::vector<Case> cases{
+      {"longer scales", [&](auto& r) {
+         r.k_scale = at::rand({3, 2, cap + 1});
+         r.v_scale = at::rand({3, 2, cap + 1});
+       }, false, "k_scale"},
+      {"shorter v_scale", [&](auto& r) { r.v_scale = at::rand({3, 2, cap - 1}); }, false, "v_scale"},
+      {"half k_scale", [&](auto& r) { r.k_scale = r.k_scale.to(at::kHalf); }, true, "k_scale"},
+      {"no v_scale", [&](auto& r) { r.v_scale = at::Tensor(); }, false, "v_scale"},
+      {"shared scales", [&](auto& r) { r.v_scale = r.k_scale; }, false, "k_scale and v_scale"},
+  };
+  for (const auto& c : cases) {
+    INFO(c.name);
+    auto ring = ring_with(c.edit);
+    const auto before = clones(ring_buffers(ring));
+    if (c.type_error) {
+      require_throws_naming<c10::TypeError>([&] { kvcache::select_rows_ring_layer_cache(ring, index); }, c.needle);
+    } else {
+      require_throws_naming<c10::ValueError>([&] { kvcache::select_rows_ring_layer_cache(ring, index); }, c.needle);
+    }
+    require_unchanged(ring, before);
+
+    // The same scales on a linear quantized cache of the ring's shape.
+    kvcache::KVLayerCache cache{ring.keys, ring.values, at::tensor({5, 6, 6}, at::kInt), ring.k_scale, ring.v_scale};
+    const at::Tensor len0 = cache.length.clone();
+    if (c.type_error) {
+      require_throws_naming<c10::TypeError>([&] { kvcache::select_rows_kv_layer_cache(cache, index); }, c.needle);
+    } else {
+      require_throws_naming<c10::ValueError>([&] { kvcache::select_rows_kv_layer_cache(cache, index); }, c.needle);
+    }
+    require_unchanged(ring, before);
+    REQUIRE(at::equal(cache.length, len0));
   }
 }
