@@ -311,6 +311,9 @@ RingLayerCache init_quantized_ring_layer_cache(
 RingKV write_ring_layer_cache(const RingLayerCache& cache,
                               const at::Tensor& keys_new,
                               const at::Tensor& values_new) {
+  // cache.length is advanced by a copy_ after the ring write: refuse a
+  // length that copy_ could not write before anything is written.
+  check_length_writable(cache.length);
   RingLayerCache c = cache;  // the same tensors: written in place
   RingKV kv{c.keys, c.values, c.positions, c.length, c.window, c.sinks,
             c.k_scale, c.v_scale};
@@ -376,6 +379,7 @@ void rollback_ring_layer_cache(const RingLayerCache& cache, int64_t n) {
   TORCH_CHECK_VALUE(n >= 0, "n must be >= 0, got ", n);
   TORCH_CHECK_VALUE(n <= cache.max_step, "a ring rolls back at most max_step=",
                     cache.max_step, " tokens exactly, got n=", n);
+  check_length_writable(cache.length);
   at::Tensor length = cache.length;
   length.copy_(rollback(length, at::full({}, n, length.options().dtype(at::kLong))));
 }

@@ -896,3 +896,26 @@ TEST_CASE("row selection of a quantized cache or ring with mismatched scales rai
     REQUIRE(at::equal(cache.length, len0));
   }
 }
+
+TEST_CASE("a ring whose length is an expand()ed view: the writes and rollback raise naming it, nothing is written",
+          "[api][ring][mistakes]") {
+  // write_ring_layer_cache advances cache.length by a copy_ after the ring write; an expanded length
+  // (entries sharing memory) made that copy_ throw after keys, values and positions were written.
+  // kvcache.ring checks it first in Python (check_length_writable).
+  for (auto kv : {std::optional<at::ScalarType>{}, std::optional<at::ScalarType>{at::kChar}}) {
+    for (int64_t chunk : {1, 5}) {  // within max_step (2), and longer (the concatenated view)
+      auto ring = filled_ring(kv);
+      ring.length = at::full({1}, 9, at::kInt).expand({3});
+      const auto before = clones(ring_buffers(ring));
+      at::Tensor k = at::randn({3, 2, chunk, D});
+      require_throws_naming<c10::ValueError>([&] { kvcache::write_ring_layer_cache(ring, k, k * 2); },
+                                             "cache.length");
+      require_unchanged(ring, before);
+    }
+    auto ring = filled_ring(kv);
+    ring.length = at::full({1}, 9, at::kInt).expand({3});
+    const auto before = clones(ring_buffers(ring));
+    require_throws_naming<c10::ValueError>([&] { kvcache::rollback_ring_layer_cache(ring, 1); }, "cache.length");
+    require_unchanged(ring, before);
+  }
+}
