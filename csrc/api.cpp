@@ -326,6 +326,13 @@ RingKV write_ring_layer_cache(const RingLayerCache& cache,
     // quantizer of ring_update_'s quantized write: exactly the bytes and
     // scales the ring keeps; its checks name bad new data before the ring
     // is touched).
+    // The write's own checks first, by an empty write of the same rows,
+    // heads and head_dim (nothing is written): new data that does not fit
+    // the ring raises its ValueError / TypeError naming keys_new, not
+    // at::cat's error below.
+    ring_update_(c.keys, c.values, c.positions, keys_new.narrow(2, 0, 0),
+                 values_new.dim() == 4 ? values_new.narrow(2, 0, 0) : values_new, c.length,
+                 c.sinks, scale_arg(c.k_scale), scale_arg(c.v_scale));
     at::Tensor kq = keys_new, vq = values_new, ks, vs;
     if (c.quantized()) {
       TORCH_CHECK_VALUE(keys_new.dim() == 4,

@@ -919,3 +919,29 @@ TEST_CASE("a ring whose length is an expand()ed view: the writes and rollback ra
     require_unchanged(ring, before);
   }
 }
+
+TEST_CASE("a chunk longer than max_step that does not fit the ring raises the write's ValueError/TypeError naming it",
+          "[api][ring][mistakes]") {
+  // The long-chunk path concatenated the ring with the chunk (at::cat) before the write's own
+  // checks ran, so new data of the wrong head_dim / heads / batch raised at::cat's bare c10::Error
+  // instead of the ValueError naming keys_new (kvcache.ring runs an empty write first in Python).
+  for (auto kv : {std::optional<at::ScalarType>{}, std::optional<at::ScalarType>{at::kChar}}) {
+    struct Case {
+      std::vector<int64_t> shape;
+      const char* needle;
+    };
+    for (const auto& c : {Case{{3, 2, 5, D + 1}, "keys_new"}, Case{{3, 1, 5, D}, "keys_new"},
+                          Case{{2, 2, 5, D}, "keys_new"}}) {
+      auto ring = filled_ring(kv);
+      const auto before = clones(ring_buffers(ring));
+      at::Tensor k = at::randn(c.shape);
+      require_throws_naming<c10::ValueError>([&] { kvcache::write_ring_layer_cache(ring, k, k * 2); }, c.needle);
+      require_unchanged(ring, before);
+    }
+    auto ring = filled_ring(kv);
+    const auto before = clones(ring_buffers(ring));
+    at::Tensor k = at::randn({3, 2, 5, D}).to(at::kDouble);
+    require_throws_naming<c10::TypeError>([&] { kvcache::write_ring_layer_cache(ring, k, k * 2); }, "keys_new");
+    require_unchanged(ring, before);
+  }
+}
