@@ -234,6 +234,9 @@ at::Tensor attend(const at::Tensor& q, const KVLayerCache& cache,
   if (!cache.quantized()) {
     return attend(q, cache.keys, cache.values, cache.length, options);
   }
+  TORCH_CHECK_VALUE(!options.k_scale.has_value() && !options.v_scale.has_value(),
+                    "attend over a quantized cache: the scales come from cache.k_scale / "
+                    "cache.v_scale; leave options.k_scale and options.v_scale unset");
   AttendOptions o = options;
   o.k_scale = cache.k_scale;
   o.v_scale = cache.v_scale;
@@ -371,6 +374,16 @@ RingKV write_ring_layer_cache(const RingLayerCache& cache,
 
 at::Tensor attend(const at::Tensor& q, const RingKV& kv,
                   const AttendOptions& options) {
+  // The ring sets these itself: refuse, rather than overwrite, a different
+  // one (kvcache.attend refuses a window other than the ring's too).
+  TORCH_CHECK_VALUE(options.window == 0 || options.window == kv.window, "window=",
+                    options.window, " differs from the ring's window=", kv.window);
+  TORCH_CHECK_VALUE(!options.positions.has_value() && options.sinks == 0,
+                    "attend over a ring: positions and sinks come from the ring (kv.positions, "
+                    "kv.sinks); leave options.positions and options.sinks unset");
+  TORCH_CHECK_VALUE(!options.k_scale.has_value() && !options.v_scale.has_value(),
+                    "attend over a ring: the scales come from kv.k_scale / kv.v_scale; leave "
+                    "options.k_scale and options.v_scale unset");
   AttendOptions o = options;
   o.window = kv.window;
   o.positions = kv.positions;

@@ -945,3 +945,38 @@ TEST_CASE("a chunk longer than max_step that does not fit the ring raises the wr
     require_unchanged(ring, before);
   }
 }
+
+TEST_CASE("attend over a ring or a quantized cache refuses options the layout sets itself", "[api][ring][mistakes]") {
+  // attend(q, RingKV, options) overwrote options.window / positions / sinks / scales with the
+  // ring's without a word (a window=5 read of a window-4 ring gave the window-4 answer); Python's
+  // kvcache.attend refuses a window other than the ring's, and attend(q, PagedKV) refuses
+  // kv_start-less options that do not apply. The same for a quantized KVLayerCache's scales.
+  for (auto kvd : {std::optional<at::ScalarType>{}, std::optional<at::ScalarType>{at::kChar}}) {
+    auto ring = filled_ring(kvd);
+    kvcache::RingKV kv{ring.keys, ring.values, ring.positions, ring.length, ring.window, ring.sinks,
+                       ring.k_scale, ring.v_scale};
+    at::Tensor q = at::randn({3, 4, 1, D});
+    kvcache::AttendOptions same;
+    same.window = ring.window;  // the ring's own window: fine
+    REQUIRE(at::equal(kvcache::attend(q, kv, same), kvcache::attend(q, kv)));
+    kvcache::AttendOptions w;
+    w.window = ring.window + 1;
+    require_throws_naming<c10::ValueError>([&] { kvcache::attend(q, kv, w); }, "window");
+    kvcache::AttendOptions p;
+    p.positions = ring.positions.clone();
+    require_throws_naming<c10::ValueError>([&] { kvcache::attend(q, kv, p); }, "positions");
+    kvcache::AttendOptions s;
+    s.sinks = ring.sinks + 1;
+    require_throws_naming<c10::ValueError>([&] { kvcache::attend(q, kv, s); }, "sinks");
+    kvcache::AttendOptions sc;
+    sc.k_scale = at::ones({3, 2, ring.capacity()});
+    sc.v_scale = at::ones({3, 2, ring.capacity()});
+    require_throws_naming<c10::ValueError>([&] { kvcache::attend(q, kv, sc); }, "scale");
+  }
+  auto ring = filled_ring(at::kChar);
+  kvcache::KVLayerCache cache{ring.keys, ring.values, at::tensor({5, 6, 6}, at::kInt), ring.k_scale, ring.v_scale};
+  kvcache::AttendOptions sc;
+  sc.k_scale = at::ones({3, 2, ring.capacity()});
+  sc.v_scale = at::ones({3, 2, ring.capacity()});
+  require_throws_naming<c10::ValueError>([&] { kvcache::attend(at::randn({3, 4, 1, D}), cache, sc); }, "scale");
+}
