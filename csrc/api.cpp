@@ -201,7 +201,15 @@ KVLayerCache select_rows_kv_layer_cache(const KVLayerCache& cache,
                                         const at::Tensor& index) {
   check_length_writable(cache.length);
   KVLayerCache c = cache;
-  if (c.quantized()) {
+  if (c.k_scale.defined() || c.v_scale.defined()) {
+    // The quantized write's own checks of the scales (both or neither, each
+    // float32 (batch, num_kv_heads, max_len), sharing no memory), by an
+    // empty write that writes nothing: select_rows_ below moves any
+    // (..., n, 1) buffer and would take mismatched scales (kvcache.rows'
+    // check_scales in Python).
+    const at::Tensor empty = at::empty(
+        {c.keys.size(0), c.keys.size(1), 0, c.keys.size(3)}, c.keys.options().dtype(at::kFloat));
+    update_(c.keys, c.values, empty, empty, 0, scale_arg(c.k_scale), scale_arg(c.v_scale));
     // The scales are (batch, heads, max_len) buffers indexed like the
     // slots: moved as (..., max_len, 1) caches by the same operator (the
     // same checks: a call that fails raises before either writes).
@@ -226,6 +234,9 @@ at::Tensor attend(const at::Tensor& q, const KVLayerCache& cache,
   if (!cache.quantized()) {
     return attend(q, cache.keys, cache.values, cache.length, options);
   }
+  TORCH_CHECK_VALUE(!options.k_scale.has_value() && !options.v_scale.has_value(),
+                    "attend over a quantized cache: the scales come from cache.k_scale / "
+                    "cache.v_scale; leave options.k_scale and options.v_scale unset");
   AttendOptions o = options;
   o.k_scale = cache.k_scale;
   o.v_scale = cache.v_scale;
@@ -303,6 +314,9 @@ RingLayerCache init_quantized_ring_layer_cache(
 RingKV write_ring_layer_cache(const RingLayerCache& cache,
                               const at::Tensor& keys_new,
                               const at::Tensor& values_new) {
+  // cache.length is advanced by a copy_ after the ring write: refuse a
+  // length that copy_ could not write before anything is written.
+  check_length_writable(cache.length);
   RingLayerCache c = cache;  // the same tensors: written in place
   RingKV kv{c.keys, c.values, c.positions, c.length, c.window, c.sinks,
             c.k_scale, c.v_scale};
@@ -315,6 +329,13 @@ RingKV write_ring_layer_cache(const RingLayerCache& cache,
     // quantizer of ring_update_'s quantized write: exactly the bytes and
     // scales the ring keeps; its checks name bad new data before the ring
     // is touched).
+    // The write's own checks first, by an empty write of the same rows,
+    // heads and head_dim (nothing is written): new data that does not fit
+    // the ring raises its ValueError / TypeError naming keys_new, not
+    // at::cat's error below.
+    ring_update_(c.keys, c.values, c.positions, keys_new.narrow(2, 0, 0),
+                 values_new.dim() == 4 ? values_new.narrow(2, 0, 0) : values_new, c.length,
+                 c.sinks, scale_arg(c.k_scale), scale_arg(c.v_scale));
     at::Tensor kq = keys_new, vq = values_new, ks, vs;
     if (c.quantized()) {
       TORCH_CHECK_VALUE(keys_new.dim() == 4,
@@ -353,6 +374,16 @@ RingKV write_ring_layer_cache(const RingLayerCache& cache,
 
 at::Tensor attend(const at::Tensor& q, const RingKV& kv,
                   const AttendOptions& options) {
+  // The ring sets these itself: refuse, rather than overwrite, a different
+  // one (kvcache.attend refuses a window other than the ring's too).
+  TORCH_CHECK_VALUE(options.window == 0 || options.window == kv.window, "window=",
+                    options.window, " differs from the ring's window=", kv.window);
+  TORCH_CHECK_VALUE(!options.positions.has_value() && options.sinks == 0,
+                    "attend over a ring: positions and sinks come from the ring (kv.positions, "
+                    "kv.sinks); leave options.positions and options.sinks unset");
+  TORCH_CHECK_VALUE(!options.k_scale.has_value() && !options.v_scale.has_value(),
+                    "attend over a ring: the scales come from kv.k_scale / kv.v_scale; leave "
+                    "options.k_scale and options.v_scale unset");
   AttendOptions o = options;
   o.window = kv.window;
   o.positions = kv.positions;
@@ -368,12 +399,28 @@ void rollback_ring_layer_cache(const RingLayerCache& cache, int64_t n) {
   TORCH_CHECK_VALUE(n >= 0, "n must be >= 0, got ", n);
   TORCH_CHECK_VALUE(n <= cache.max_step, "a ring rolls back at most max_step=",
                     cache.max_step, " tokens exactly, got n=", n);
+  check_length_writable(cache.length);
   at::Tensor length = cache.length;
   length.copy_(rollback(length, at::full({}, n, length.options().dtype(at::kLong))));
 }
 
 void select_rows_ring_layer_cache(const RingLayerCache& cache, const at::Tensor& index) {
   check_length_writable(cache.length);
+  {
+    // The ring write's own checks of the ring's tensors (positions; a
+    // quantized ring's scales: both or neither, float32 (batch,
+    // num_kv_heads, capacity), sharing no memory), by an empty write that
+    // writes nothing, before anything moves: select_rows_ moves any
+    // (..., n, 1) scale buffer (kvcache.rows' check_ring_tensors in Python).
+    RingLayerCache c = cache;
+    const bool quantized = c.k_scale.defined() || c.v_scale.defined();
+    const at::Tensor empty =
+        at::empty({c.keys.size(0), c.keys.size(1), 0, c.keys.size(3)},
+                  c.keys.options().dtype(quantized ? at::kFloat : c.keys.scalar_type()));
+    ring_update_(c.keys, c.values, c.positions, empty, empty,
+                 at::zeros({}, c.keys.options().dtype(at::kInt)), c.sinks, scale_arg(c.k_scale),
+                 scale_arg(c.v_scale));
+  }
   const int64_t batch = cache.keys.size(0);
   TORCH_CHECK_VALUE(cache.positions.dim() == 2 && cache.positions.size(0) == batch &&
                         cache.positions.size(1) == cache.capacity(),

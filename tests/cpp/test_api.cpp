@@ -3,6 +3,8 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <functional>
+#include <optional>
 #include <vector>
 
 #include "catch.h"
@@ -669,3 +671,312 @@ TEST_CASE("the deprecated quantized writes of the C++ API forward to the new wri
   }
 }
 #pragma GCC diagnostic pop
+
+// ---- A user's mistakes with the ring row operations and attend over pages ----
+
+namespace {
+
+// A (3, 2, capacity 6) ring with sinks 1 after 9 single-token writes, rows of different
+// contents; quantized when kv is kChar / kFloat8_e4m3fn.
+kvcache::RingLayerCache filled_ring(std::optional<at::ScalarType> kv) {
+  auto ring = kv ? kvcache::init_quantized_ring_layer_cache(3, 2, D, 4, *kv, c10::kCPU, 1, 2)
+                 : kvcache::init_ring_layer_cache(3, 2, D, 4, at::kFloat, c10::kCPU, 1, 2);
+  ring.length = at::zeros({3}, at::kInt);
+  for (int64_t t = 0; t < 9; ++t) {
+    at::Tensor k = at::randn({3, 2, 1, D});
+    kvcache::write_ring_layer_cache(ring, k, k * 3);
+  }
+  return ring;
+}
+
+std::vector<at::Tensor> ring_buffers(const kvcache::RingLayerCache& r) {
+  std::vector<at::Tensor> out{r.keys, r.values, r.positions, r.length};
+  for (const auto& s : {r.k_scale, r.v_scale}) {
+    if (s.defined()) out.push_back(s);
+  }
+  return out;
+}
+
+std::vector<at::Tensor> clones(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : ts) out.push_back(t.clone());
+  return out;
+}
+
+void require_unchanged(const kvcache::RingLayerCache& r, const std::vector<at::Tensor>& before) {
+  const auto now = ring_buffers(r);
+  REQUIRE(now.size() == before.size());
+  for (size_t i = 0; i < now.size(); ++i) REQUIRE(same_bytes(now[i], before[i]));
+}
+
+template <typename E, typename F>
+void require_throws_naming(F&& f, const std::string& needle) {
+  bool thrown = false;
+  try {
+    f();
+  } catch (const E& e) {
+    thrown = true;
+    INFO(e.what());
+    REQUIRE(std::string(e.what()).find(needle) != std::string::npos);
+  }
+  REQUIRE(thrown);
+}
+
+}  // namespace
+
+TEST_CASE("select_rows_ring_layer_cache refuses a bad index before anything moves", "[api][ring][mistakes]") {
+  for (auto kv : {std::optional<at::ScalarType>{}, std::optional<at::ScalarType>{at::kChar},
+                  std::optional<at::ScalarType>{at::kFloat8_e4m3fn}}) {
+    auto ring = filled_ring(kv);
+    const auto before = clones(ring_buffers(ring));
+    require_throws_naming<c10::ValueError>(
+        [&] { kvcache::select_rows_ring_layer_cache(ring, at::tensor({0, 1}, at::kLong)); }, "index");
+    require_throws_naming<c10::ValueError>(
+        [&] { kvcache::select_rows_ring_layer_cache(ring, at::zeros({}, at::kLong)); }, "index");
+    require_throws_naming<c10::ValueError>(
+        [&] { kvcache::select_rows_ring_layer_cache(ring, at::zeros({3, 1}, at::kLong)); }, "index");
+    require_throws_naming<c10::TypeError>(
+        [&] { kvcache::select_rows_ring_layer_cache(ring, at::tensor({0.0, 1.0, 2.0})); }, "index");
+    require_throws_naming<c10::TypeError>(
+        [&] { kvcache::select_rows_ring_layer_cache(ring, at::tensor({0, 1, 1}).to(at::kBool)); }, "index");
+    require_throws_naming<c10::ValueError>(
+        [&] { kvcache::select_rows_ring_layer_cache(ring, at::tensor({0, -1, 2}, at::kLong)); }, "index");
+    require_unchanged(ring, before);
+  }
+}
+
+TEST_CASE("select_rows_ring_layer_cache: repeated indices, a 0-D length, and a quantized ring's scales move with the slots",
+          "[api][ring][mistakes]") {
+  for (auto kv : {std::optional<at::ScalarType>{}, std::optional<at::ScalarType>{at::kChar},
+                  std::optional<at::ScalarType>{at::kFloat8_e4m3fn}}) {
+    for (bool scalar_length : {false, true}) {
+      auto ring = filled_ring(kv);
+      if (scalar_length) ring.length = at::full({}, 9, at::kInt);
+      const auto before = clones(ring_buffers(ring));
+      const at::Tensor index = at::tensor({2, 2, 0}, at::kLong);
+      kvcache::select_rows_ring_layer_cache(ring, index);
+      // Against plain indexing of the saved tensors.
+      REQUIRE(same_bytes(ring.keys, before[0].index_select(0, index)));
+      REQUIRE(same_bytes(ring.values, before[1].index_select(0, index)));
+      REQUIRE(at::equal(ring.positions, before[2].index_select(0, index)));
+      if (scalar_length) {
+        REQUIRE(ring.length.dim() == 0);
+        REQUIRE(ring.length.item<int64_t>() == 9);
+      } else {
+        REQUIRE(at::equal(ring.length, before[3].index_select(0, index)));
+      }
+      if (kv) {
+        REQUIRE(same_bytes(ring.k_scale, before[4].index_select(0, index)));
+        REQUIRE(same_bytes(ring.v_scale, before[5].index_select(0, index)));
+      }
+    }
+  }
+}
+
+TEST_CASE("reset_rows_ring_layer_cache refuses a mask or rows of the wrong shape and repeats rows",
+          "[api][ring][mistakes]") {
+  auto ring = filled_ring(at::kChar);
+  const auto before = clones(ring_buffers(ring));
+  require_throws_naming<c10::ValueError>(
+      [&] { kvcache::reset_rows_ring_layer_cache(ring, at::ones({3, 1}, at::kBool)); }, "rows");
+  require_throws_naming<c10::ValueError>(
+      [&] { kvcache::reset_rows_ring_layer_cache(ring, at::zeros({3, 1}, at::kLong)); }, "rows");
+  require_throws_naming<c10::ValueError>(
+      [&] { kvcache::reset_rows_ring_layer_cache(ring, at::tensor({3}, at::kLong)); }, "rows");
+  require_throws_naming<c10::TypeError>(
+      [&] { kvcache::reset_rows_ring_layer_cache(ring, at::tensor({1.0})); }, "rows");
+  require_unchanged(ring, before);
+  // Repeated rows: row 1 emptied once, the others untouched (scales and data too).
+  kvcache::reset_rows_ring_layer_cache(ring, at::tensor({1, 1}, at::kLong));
+  REQUIRE(at::equal(ring.length, at::tensor({9, 0, 9}, at::kInt)));
+  REQUIRE(at::equal(ring.positions[1], at::full({ring.capacity()}, -1, at::kInt)));
+  REQUIRE(at::equal(ring.positions[0], before[2][0]));
+  REQUIRE(at::equal(ring.positions[2], before[2][2]));
+  // A 0-D length has no rows to reset.
+  ring.length = at::full({}, 9, at::kInt);
+  REQUIRE_THROWS_AS(kvcache::reset_rows_ring_layer_cache(ring, at::tensor({0}, at::kLong)), c10::ValueError);
+}
+
+TEST_CASE("attend over pages: kv_start, positions, sinks and scales in the options are refused; quantized pages "
+          "equal paged_attend with their scales",
+          "[api][paged][mistakes]") {
+  constexpr int64_t kBlocks = 8, kBs = 4, kKvh = 2, kHeads = 4, kDim = 12;
+  for (auto kv : {at::kChar, at::kFloat8_e4m3fn}) {
+    kvcache::BlockAllocator alloc(kBlocks, kBs);
+    at::Tensor kp = at::zeros({kBlocks, kBs, kKvh, kDim}, at::TensorOptions().dtype(kv));
+    at::Tensor vp = at::zeros_like(kp);
+    at::Tensor ksc = at::ones({kBlocks, kBs, kKvh}), vsc = at::ones({kBlocks, kBs, kKvh});
+    const std::vector<int64_t> seqs{0, 1}, prompt{6, 9};
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      at::Tensor slots = alloc.append(seqs[i], prompt[i]);
+      kvcache::paged_write_(kp, vp, at::randn({prompt[i], kKvh, kDim}), at::randn({prompt[i], kKvh, kDim}), slots,
+                            ksc, vsc);
+    }
+    at::Tensor table = alloc.block_table(seqs);
+    at::Tensor cu = at::tensor({0, 6, 7}, at::kInt);
+    at::Tensor q = at::randn({7, kHeads, kDim});
+    kvcache::PagedKV pkv{kp, vp, table, alloc.context_lens(seqs), cu, ksc, vsc};
+    kvcache::PagedAttendOptions popt;
+    popt.key_scales = ksc;
+    popt.value_scales = vsc;
+    REQUIRE(at::equal(kvcache::attend(q, pkv), kvcache::paged_attend(q, kp, vp, table, pkv.context_lens, cu, popt)));
+    // Scaled against float pages holding the dequantized values (an independent route).
+    at::Tensor fk = kp.to(at::kFloat) * ksc.unsqueeze(-1), fv = vp.to(at::kFloat) * vsc.unsqueeze(-1);
+    kvcache::PagedKV fkv{fk, fv, table, pkv.context_lens, cu, {}, {}};
+    REQUIRE(at::allclose(kvcache::attend(q, pkv), kvcache::attend(q, fkv), 1e-4, 1e-4));
+
+    kvcache::AttendOptions o1;
+    o1.kv_start = at::zeros({2}, at::kInt);
+    kvcache::AttendOptions o2;
+    o2.positions = at::zeros({2, 8}, at::kInt);
+    kvcache::AttendOptions o3;
+    o3.sinks = 1;
+    kvcache::AttendOptions o4;
+    o4.k_scale = ksc;
+    o4.v_scale = vsc;
+    require_throws_naming<c10::ValueError>([&] { kvcache::attend(q, pkv, o1); }, "kv_start");
+    require_throws_naming<c10::ValueError>([&] { kvcache::attend(q, pkv, o2); }, "positions");
+    require_throws_naming<c10::ValueError>([&] { kvcache::attend(q, pkv, o3); }, "sinks");
+    require_throws_naming<c10::ValueError>([&] { kvcache::attend(q, pkv, o4); }, "scales");
+    // Only one of the page scales: the paged operator names it.
+    kvcache::PagedKV half{kp, vp, table, pkv.context_lens, cu, ksc, {}};
+    REQUIRE_THROWS(kvcache::attend(q, half));
+  }
+}
+
+TEST_CASE("row selection of a quantized cache or ring with mismatched scales raises naming the scale, nothing moves",
+          "[api][ring][quant][mistakes]") {
+  // What kvcache.rows refuses in Python (check_scales / check_ring_tensors): scales of the wrong
+  // shape, dtype, one without the other, or sharing memory. The C++ functions moved the scales
+  // with a plain select_rows_ over (..., max_len, 1) views, which accepted any of these (a longer
+  // scale buffer, half scales, the same buffer twice) or threw a bare c10::Error.
+  const at::Tensor index = at::tensor({2, 0, 1}, at::kLong);
+  auto ring_with = [&](auto&& edit) {
+    auto ring = filled_ring(at::kChar);
+    edit(ring);
+    return ring;
+  };
+  const int64_t cap = filled_ring(at::kChar).capacity();
+  struct Case {
+    const char* name;
+    std::function<void(kvcache::RingLayerCache&)> edit;
+    bool type_error;
+    const char* needle;
+  };
+  const std::vector<Case> cases{
+      {"longer scales", [&](auto& r) {
+         r.k_scale = at::rand({3, 2, cap + 1});
+         r.v_scale = at::rand({3, 2, cap + 1});
+       }, false, "k_scale"},
+      {"shorter v_scale", [&](auto& r) { r.v_scale = at::rand({3, 2, cap - 1}); }, false, "v_scale"},
+      {"half k_scale", [&](auto& r) { r.k_scale = r.k_scale.to(at::kHalf); }, true, "k_scale"},
+      {"no v_scale", [&](auto& r) { r.v_scale = at::Tensor(); }, false, "v_scale"},
+      {"shared scales", [&](auto& r) { r.v_scale = r.k_scale; }, false, "k_scale and v_scale"},
+  };
+  for (const auto& c : cases) {
+    INFO(c.name);
+    auto ring = ring_with(c.edit);
+    const auto before = clones(ring_buffers(ring));
+    if (c.type_error) {
+      require_throws_naming<c10::TypeError>([&] { kvcache::select_rows_ring_layer_cache(ring, index); }, c.needle);
+    } else {
+      require_throws_naming<c10::ValueError>([&] { kvcache::select_rows_ring_layer_cache(ring, index); }, c.needle);
+    }
+    require_unchanged(ring, before);
+
+    // The same scales on a linear quantized cache of the ring's shape.
+    kvcache::KVLayerCache cache{ring.keys, ring.values, at::tensor({5, 6, 6}, at::kInt), ring.k_scale, ring.v_scale};
+    const at::Tensor len0 = cache.length.clone();
+    if (c.type_error) {
+      require_throws_naming<c10::TypeError>([&] { kvcache::select_rows_kv_layer_cache(cache, index); }, c.needle);
+    } else {
+      require_throws_naming<c10::ValueError>([&] { kvcache::select_rows_kv_layer_cache(cache, index); }, c.needle);
+    }
+    require_unchanged(ring, before);
+    REQUIRE(at::equal(cache.length, len0));
+  }
+}
+
+TEST_CASE("a ring whose length is an expand()ed view: the writes and rollback raise naming it, nothing is written",
+          "[api][ring][mistakes]") {
+  // write_ring_layer_cache advances cache.length by a copy_ after the ring write; an expanded length
+  // (entries sharing memory) made that copy_ throw after keys, values and positions were written.
+  // kvcache.ring checks it first in Python (check_length_writable).
+  for (auto kv : {std::optional<at::ScalarType>{}, std::optional<at::ScalarType>{at::kChar}}) {
+    for (int64_t chunk : {1, 5}) {  // within max_step (2), and longer (the concatenated view)
+      auto ring = filled_ring(kv);
+      ring.length = at::full({1}, 9, at::kInt).expand({3});
+      const auto before = clones(ring_buffers(ring));
+      at::Tensor k = at::randn({3, 2, chunk, D});
+      require_throws_naming<c10::ValueError>([&] { kvcache::write_ring_layer_cache(ring, k, k * 2); },
+                                             "cache.length");
+      require_unchanged(ring, before);
+    }
+    auto ring = filled_ring(kv);
+    ring.length = at::full({1}, 9, at::kInt).expand({3});
+    const auto before = clones(ring_buffers(ring));
+    require_throws_naming<c10::ValueError>([&] { kvcache::rollback_ring_layer_cache(ring, 1); }, "cache.length");
+    require_unchanged(ring, before);
+  }
+}
+
+TEST_CASE("a chunk longer than max_step that does not fit the ring raises the write's ValueError/TypeError naming it",
+          "[api][ring][mistakes]") {
+  // The long-chunk path concatenated the ring with the chunk (at::cat) before the write's own
+  // checks ran, so new data of the wrong head_dim / heads / batch raised at::cat's bare c10::Error
+  // instead of the ValueError naming keys_new (kvcache.ring runs an empty write first in Python).
+  for (auto kv : {std::optional<at::ScalarType>{}, std::optional<at::ScalarType>{at::kChar}}) {
+    struct Case {
+      std::vector<int64_t> shape;
+      const char* needle;
+    };
+    for (const auto& c : {Case{{3, 2, 5, D + 1}, "keys_new"}, Case{{3, 1, 5, D}, "keys_new"},
+                          Case{{2, 2, 5, D}, "keys_new"}}) {
+      auto ring = filled_ring(kv);
+      const auto before = clones(ring_buffers(ring));
+      at::Tensor k = at::randn(c.shape);
+      require_throws_naming<c10::ValueError>([&] { kvcache::write_ring_layer_cache(ring, k, k * 2); }, c.needle);
+      require_unchanged(ring, before);
+    }
+    auto ring = filled_ring(kv);
+    const auto before = clones(ring_buffers(ring));
+    at::Tensor k = at::randn({3, 2, 5, D}).to(at::kDouble);
+    require_throws_naming<c10::TypeError>([&] { kvcache::write_ring_layer_cache(ring, k, k * 2); }, "keys_new");
+    require_unchanged(ring, before);
+  }
+}
+
+TEST_CASE("attend over a ring or a quantized cache refuses options the layout sets itself", "[api][ring][mistakes]") {
+  // attend(q, RingKV, options) overwrote options.window / positions / sinks / scales with the
+  // ring's without a word (a window=5 read of a window-4 ring gave the window-4 answer); Python's
+  // kvcache.attend refuses a window other than the ring's, and attend(q, PagedKV) refuses
+  // kv_start-less options that do not apply. The same for a quantized KVLayerCache's scales.
+  for (auto kvd : {std::optional<at::ScalarType>{}, std::optional<at::ScalarType>{at::kChar}}) {
+    auto ring = filled_ring(kvd);
+    kvcache::RingKV kv{ring.keys, ring.values, ring.positions, ring.length, ring.window, ring.sinks,
+                       ring.k_scale, ring.v_scale};
+    at::Tensor q = at::randn({3, 4, 1, D});
+    kvcache::AttendOptions same;
+    same.window = ring.window;  // the ring's own window: fine
+    REQUIRE(at::equal(kvcache::attend(q, kv, same), kvcache::attend(q, kv)));
+    kvcache::AttendOptions w;
+    w.window = ring.window + 1;
+    require_throws_naming<c10::ValueError>([&] { kvcache::attend(q, kv, w); }, "window");
+    kvcache::AttendOptions p;
+    p.positions = ring.positions.clone();
+    require_throws_naming<c10::ValueError>([&] { kvcache::attend(q, kv, p); }, "positions");
+    kvcache::AttendOptions s;
+    s.sinks = ring.sinks + 1;
+    require_throws_naming<c10::ValueError>([&] { kvcache::attend(q, kv, s); }, "sinks");
+    kvcache::AttendOptions sc;
+    sc.k_scale = at::ones({3, 2, ring.capacity()});
+    sc.v_scale = at::ones({3, 2, ring.capacity()});
+    require_throws_naming<c10::ValueError>([&] { kvcache::attend(q, kv, sc); }, "scale");
+  }
+  auto ring = filled_ring(at::kChar);
+  kvcache::KVLayerCache cache{ring.keys, ring.values, at::tensor({5, 6, 6}, at::kInt), ring.k_scale, ring.v_scale};
+  kvcache::AttendOptions sc;
+  sc.k_scale = at::ones({3, 2, ring.capacity()});
+  sc.v_scale = at::ones({3, 2, ring.capacity()});
+  require_throws_naming<c10::ValueError>([&] { kvcache::attend(at::randn({3, 4, 1, D}), cache, sc); }, "scale");
+}

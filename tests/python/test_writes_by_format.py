@@ -216,6 +216,26 @@ MISTAKES = [
      lambda: (*_scale_views_keys(), *_kn())),
     ("keys_new-views-k_scale", ValueError, r"keys_new and values_new must not share memory with k_scale",
      lambda: (*_new_views_scale(), _kn()[1])),
+    # int8 data with fp8 scales, scales that overlap in part, an expand()ed scale, a negative-bit view,
+    # a scale of the wrong rank or device, int8 / float64 / mixed new data for a quantized write.
+    ("fp8-scales", TypeError, r"k_scale must have the scale dtype torch\.float32 .*got torch\.float8_e4m3fn",
+     lambda: (*qcache(torch.int8)[:2], *_scales(dtype=torch.float8_e4m3fn), *_kn())),
+    ("scales-overlap-in-part", ValueError, r"k_scale and v_scale must not share memory",
+     lambda: (lambda buf: (*qcache(torch.int8)[:2], buf[..., :T], buf[..., 1:], *_kn()))(torch.ones(B, H, T + 1))),
+    ("k_scale-expanded", ValueError, r"k_scale must not have internally overlapping memory",
+     lambda: (*qcache(torch.int8)[:2], torch.ones(B, H, 1).expand(B, H, T), torch.ones(B, H, T), *_kn())),
+    ("k_scale-neg-bit", ValueError, r"k_scale must not have the negative bit set",
+     lambda: (*qcache(torch.int8)[:2], torch._neg_view(torch.ones(B, H, T)), torch.ones(B, H, T), *_kn())),
+    ("k_scale-rank", ValueError, r"k_scale must be a 3-D tensor",
+     lambda: (*qcache(torch.int8)[:2], torch.ones(B, H, T, 1), torch.ones(B, H, T), *_kn())),
+    ("v_scale-device", ValueError, r"v_scale must be on the cache's device",
+     lambda: (*qcache(torch.int8)[:2], torch.ones(B, H, T), torch.ones(B, H, T, device="meta"), *_kn())),
+    ("int8-new-data", TypeError, r"keys_new must be a torch\.float32, torch\.bfloat16 or torch\.float16 tensor",
+     lambda: (*qcache(torch.int8), *[t.to(torch.int8) for t in _kn()])),
+    ("float64-new-data", TypeError, r"keys_new must be a torch\.float32, torch\.bfloat16 or torch\.float16 tensor",
+     lambda: (*qcache(torch.float8_e4m3fn), *_kn(torch.float64))),
+    ("mixed-new-data", TypeError, r"values_new must have the dtype of keys_new",
+     lambda: (*qcache(torch.int8), _kn()[0], _kn(torch.float16)[1])),
 ]
 
 
@@ -255,7 +275,8 @@ def _raises_nothing_written(fn, args, exc, match, compiled):
 
     assert re.search(match, str(got)), str(got)
     for a, b in zip(args, before):
-        if isinstance(a, torch.Tensor):
+        if isinstance(a, torch.Tensor) and a.device.type != "meta":
+            a, b = a.resolve_neg(), b.resolve_neg()
             assert same_bytes(a, b), "written despite the error"
 
 
@@ -320,3 +341,24 @@ def test_compiled_new_write_matches_eager():
     assert torch.equal(got, want)
     for a, b in zip(compiled, eager):
         assert same_bytes(a, b)
+
+
+@pytest.mark.parametrize("form", WRITE_FORMS)
+def test_strided_scales_are_written_in_place(form):
+    """Scales that are views with any strides (a (batch, max_len, heads) buffer transposed, a
+    permuted one) take exactly the reference's scales at the written slots, in place."""
+    k, v, ks, vs = qcache(torch.int8)
+    ks_t = ks.transpose(1, 2).contiguous().transpose(1, 2)  # (B, H, T) over (B, T, H) memory
+    vs_t = vs.permute(1, 0, 2).contiguous().permute(1, 0, 2)  # (B, H, T) over (H, B, T) memory
+    assert not ks_t.is_contiguous() and not vs_t.is_contiguous()
+    kn, vn = _kn(torch.bfloat16)
+    want_k, want_v, want_ks, want_vs = k.clone(), v.clone(), ks.clone(), vs.clone()
+    _call(form, want_k, want_v, want_ks, want_vs, kn, vn)  # contiguous scales: checked against the reference above
+    if form != "ring_update_":
+        starts = {"update_": 1, "update_.Tensor": [0, 3], "append_": [1, 2], "append_returning_": [1, 2]}[form]
+        ref = quantized_update_reference(k, v, ks, vs, kn, vn, starts)
+        for got, exp in zip((want_k, want_v, want_ks, want_vs), ref):
+            assert same_bytes(got, exp)
+    _call(form, k, v, ks_t, vs_t, kn, vn)
+    assert same_bytes(k, want_k) and same_bytes(v, want_v)
+    assert torch.equal(ks_t, want_ks) and torch.equal(vs_t, want_vs)

@@ -237,7 +237,9 @@ KVCACHE_API KVLayerCache select_rows_kv_layer_cache(const KVLayerCache& cache,
 KVCACHE_API KVLayerCache reset_rows_kv_layer_cache(const KVLayerCache& cache,
                                                    const at::Tensor& rows);
 
-/// Attention of q over the filled slots of `cache` (see attend above).
+/// Attention of q over the filled slots of `cache` (see attend above). A
+/// quantized cache's scales come from it: options.k_scale / v_scale given
+/// too throw c10::ValueError.
 KVCACHE_API at::Tensor attend(const at::Tensor& q, const KVLayerCache& cache,
                               const AttendOptions& options = {});
 
@@ -348,7 +350,9 @@ KVCACHE_API RingKV write_ring_layer_cache(const RingLayerCache& cache,
 
 /// Attention of q over a ring by logical position: options.window,
 /// positions and sinks (and a quantized ring's scales) come from kv
-/// (kv_start, scale, softcap from options).
+/// (kv_start, scale, softcap from options). Throws c10::ValueError for
+/// options that differ: a window other than 0 or kv.window, positions,
+/// sinks, or scales.
 KVCACHE_API at::Tensor attend(const at::Tensor& q, const RingKV& kv,
                               const AttendOptions& options = {});
 
