@@ -9,6 +9,8 @@
 #include <ATen/MemoryOverlap.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include "core/typed_op.h"
+
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -16,20 +18,14 @@
 namespace kvcache {
 namespace {
 
-// Looked up once: findSchemaOrThrow takes a lock and a hash lookup.
-template <typename Sig>
-c10::TypedOperatorHandle<Sig> typed(const char* name, const char* overload) {
-  return c10::Dispatcher::singleton()
-      .findSchemaOrThrow(name, overload)
-      .template typed<Sig>();
-}
+using detail::typed_op;
 
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> init_layer_cache(
     int64_t batch_size, int64_t num_kv_heads, int64_t head_dim,
     int64_t max_len, at::ScalarType dtype, c10::Device device) {
-  static const auto op = typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+  static const auto op = typed_op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
       c10::SymInt, c10::SymInt, c10::SymInt, c10::SymInt,
       std::optional<at::ScalarType>, std::optional<at::Device>)>(
       "kvcache::init_layer_cache", "");
@@ -48,7 +44,7 @@ at::Tensor update_(at::Tensor& keys, at::Tensor& values,
                    int64_t start, const std::optional<at::Tensor>& k_scale,
                    const std::optional<at::Tensor>& v_scale) {
   static const auto op =
-      typed<at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor&,
+      typed_op<at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor&,
                        const at::Tensor&, c10::SymInt,
                        const std::optional<at::Tensor>&,
                        const std::optional<at::Tensor>&)>("kvcache::update_", "");
@@ -62,7 +58,7 @@ at::Tensor update_(at::Tensor& keys, at::Tensor& values,
                    const std::optional<at::Tensor>& k_scale,
                    const std::optional<at::Tensor>& v_scale) {
   static const auto op =
-      typed<at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor&,
+      typed_op<at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor&,
                        const at::Tensor&, const at::Tensor&,
                        const std::optional<at::Tensor>&,
                        const std::optional<at::Tensor>&)>("kvcache::update_",
@@ -75,7 +71,7 @@ void append_(at::Tensor& keys, at::Tensor& values, at::Tensor& lengths,
              const std::optional<at::Tensor>& k_scale,
              const std::optional<at::Tensor>& v_scale) {
   static const auto op =
-      typed<void(at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
+      typed_op<void(at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
                  const at::Tensor&, const std::optional<at::Tensor>&,
                  const std::optional<at::Tensor>&)>("kvcache::append_", "");
   op.call(keys, values, lengths, keys_new, values_new, k_scale, v_scale);
@@ -84,7 +80,7 @@ void append_(at::Tensor& keys, at::Tensor& values, at::Tensor& lengths,
 at::Tensor attend(const at::Tensor& q, const at::Tensor& keys,
                   const at::Tensor& values, const at::Tensor& lengths,
                   const AttendOptions& options) {
-  static const auto op = typed<at::Tensor(
+  static const auto op = typed_op<at::Tensor(
       const at::Tensor&, const at::Tensor&, const at::Tensor&,
       const at::Tensor&, const std::optional<at::Tensor>&,
       std::optional<double>, int64_t, double, const std::optional<at::Tensor>&,
@@ -100,7 +96,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys,
 at::Tensor rollback(const at::Tensor& lengths, const at::Tensor& n,
                     const std::optional<at::Tensor>& kv_start) {
   static const auto op =
-      typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+      typed_op<at::Tensor(const at::Tensor&, const at::Tensor&,
                        const std::optional<at::Tensor>&)>("kvcache::rollback", "");
   return op.call(lengths, n, kv_start);
 }
@@ -108,14 +104,14 @@ at::Tensor rollback(const at::Tensor& lengths, const at::Tensor& n,
 at::Tensor select_rows_(at::Tensor& keys, at::Tensor& values,
                         const at::Tensor& lengths, const at::Tensor& index) {
   static const auto op =
-      typed<at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor&,
+      typed_op<at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor&,
                        const at::Tensor&)>("kvcache::select_rows_", "");
   return op.call(keys, values, lengths, index);
 }
 
 at::Tensor reset_rows(const at::Tensor& lengths, const at::Tensor& rows) {
   static const auto op =
-      typed<at::Tensor(const at::Tensor&, const at::Tensor&)>(
+      typed_op<at::Tensor(const at::Tensor&, const at::Tensor&)>(
           "kvcache::reset_rows", "");
   return op.call(lengths, rows);
 }
@@ -264,7 +260,7 @@ at::Tensor ring_update_(at::Tensor& keys, at::Tensor& values,
                         int64_t sinks, const std::optional<at::Tensor>& k_scale,
                         const std::optional<at::Tensor>& v_scale) {
   static const auto op =
-      typed<at::Tensor(at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
+      typed_op<at::Tensor(at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
                        const at::Tensor&, const at::Tensor&, int64_t,
                        const std::optional<at::Tensor>&,
                        const std::optional<at::Tensor>&)>(
@@ -468,7 +464,7 @@ void paged_write_(at::Tensor& key_pages, at::Tensor& value_pages, const at::Tens
                   const std::optional<at::Tensor>& key_scales,
                   const std::optional<at::Tensor>& value_scales) {
   static const auto op =
-      typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+      typed_op<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                  const at::Tensor&, const std::optional<at::Tensor>&,
                  const std::optional<at::Tensor>&)>("kvcache::paged_write_", "");
   op.call(key_pages, value_pages, key, value, slot_mapping, key_scales, value_scales);
@@ -478,7 +474,7 @@ at::Tensor paged_attend(const at::Tensor& q, const at::Tensor& key_pages,
                         const at::Tensor& value_pages, const at::Tensor& block_table,
                         const at::Tensor& context_lens, const at::Tensor& cu_seqlens_q,
                         const PagedAttendOptions& options) {
-  static const auto op = typed<at::Tensor(
+  static const auto op = typed_op<at::Tensor(
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
       const at::Tensor&, const at::Tensor&, std::optional<double>, int64_t, double,
       const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,

@@ -1,6 +1,5 @@
 #include "ring.h"
 
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
@@ -9,6 +8,7 @@
 #include "../core/checks.h"
 #include "../core/overlap.h"
 #include "../core/tensor_params.h"
+#include "../core/typed_op.h"
 #include "update.h"
 
 namespace kvcache {
@@ -157,13 +157,10 @@ at::Tensor ring_update_quantized_(at::Tensor& keys, at::Tensor& values,
                                   const at::Tensor& start, int64_t sinks) {
   // Through the dispatcher: tracing decomposes the alias into ring_update_.
   static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("kvcache::ring_update_", "")
-          .typed<at::Tensor(at::Tensor&, at::Tensor&, at::Tensor&,
-                            const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, int64_t,
-                            const std::optional<at::Tensor>&,
-                            const std::optional<at::Tensor>&)>();
+      detail::typed_op<at::Tensor(at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
+                                  const at::Tensor&, const at::Tensor&, int64_t,
+                                  const std::optional<at::Tensor>&,
+                                  const std::optional<at::Tensor>&)>("kvcache::ring_update_", "");
   return op.call(keys, values, positions, keys_new, values_new, start, sinks,
                  k_scale, v_scale);
 }

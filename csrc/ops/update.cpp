@@ -1,6 +1,5 @@
 #include "update.h"
 
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
@@ -11,6 +10,7 @@
 #include "../core/overlap.h"
 #include "../core/rules.h"
 #include "../core/tensor_params.h"
+#include "../core/typed_op.h"
 
 namespace kvcache {
 namespace detail {
@@ -495,23 +495,12 @@ at::Tensor append_returning_(at::Tensor& keys, at::Tensor& values,
 // the entry points above): under tracing their CompositeImplicitAutograd
 // kernels decompose into the new operator, whose fake kernel, autograd
 // refusal and version bump then apply.
-namespace {
-
-template <typename Sig>
-c10::TypedOperatorHandle<Sig> typed(const char* name, const char* overload) {
-  return c10::Dispatcher::singleton()
-      .findSchemaOrThrow(name, overload)
-      .template typed<Sig>();
-}
-
-}  // namespace
-
 at::Tensor update_quantized_(at::Tensor& keys, at::Tensor& values,
                              at::Tensor& k_scale, at::Tensor& v_scale,
                              const at::Tensor& keys_new,
                              const at::Tensor& values_new, c10::SymInt start) {
   static const auto op =
-      typed<at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor&,
+      detail::typed_op<at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor&,
                        const at::Tensor&, c10::SymInt,
                        const std::optional<at::Tensor>&,
                        const std::optional<at::Tensor>&)>("kvcache::update_", "");
@@ -525,7 +514,7 @@ at::Tensor update_quantized_tensor_(at::Tensor& keys, at::Tensor& values,
                                     const at::Tensor& values_new,
                                     const at::Tensor& start) {
   static const auto op =
-      typed<at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor&,
+      detail::typed_op<at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor&,
                        const at::Tensor&, const at::Tensor&,
                        const std::optional<at::Tensor>&,
                        const std::optional<at::Tensor>&)>("kvcache::update_",
@@ -538,7 +527,7 @@ void append_quantized_(at::Tensor& keys, at::Tensor& values,
                        at::Tensor& lengths, const at::Tensor& keys_new,
                        const at::Tensor& values_new) {
   static const auto op =
-      typed<void(at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
+      detail::typed_op<void(at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
                  const at::Tensor&, const std::optional<at::Tensor>&,
                  const std::optional<at::Tensor>&)>("kvcache::append_", "");
   op.call(keys, values, lengths, keys_new, values_new, k_scale, v_scale);
