@@ -418,10 +418,6 @@ void select_rows_ring_layer_cache(const RingLayerCache& cache, const at::Tensor&
                  scale_arg(c.v_scale));
   }
   const int64_t batch = cache.keys.size(0);
-  TORCH_CHECK_VALUE(cache.positions.dim() == 2 && cache.positions.size(0) == batch &&
-                        cache.positions.size(1) == cache.capacity(),
-                    "positions must be (batch, capacity) = (", batch, ", ", cache.capacity(),
-                    "), got ", cache.positions.sizes());
   // Every slot moves: select_rows_ over lengths of the whole capacity, the
   // scales first as (..., capacity, 1) caches (select_rows_kv_layer_cache's
   // order: a call that fails raises before either writes).
