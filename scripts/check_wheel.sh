@@ -208,7 +208,20 @@ int main() {
   auto values = at::zeros({1, 2, 8, 4});
   auto kn = at::randn({1, 2, 2, 4});
   auto vn = at::randn({1, 2, 2, 4});
+  // A boxed call carries every argument of the schema: the kernel pops as
+  // many as the schema has, defaults are not filled in for the caller. So
+  // the positional ones, then each remaining (keyword-only) argument's
+  // default, read from the schema (here k_scale=None, v_scale=None), so
+  // that a later optional argument does not break this caller.
   torch::jit::Stack stack{keys, values, kn, vn, c10::IValue(int64_t{3})};
+  const auto& args = op.schema().arguments();
+  for (size_t i = stack.size(); i < args.size(); ++i) {
+    if (!args[i].default_value()) {
+      std::cout << "   use_dispatcher: argument " << args[i].name() << " has no default" << std::endl;
+      return 1;
+    }
+    stack.push_back(*args[i].default_value());
+  }
   op.callBoxed(&stack);
   bool ok = stack.size() == 1 && stack[0].toTensor().item<int32_t>() == 5 &&
             at::equal(keys.narrow(2, 3, 2), kn) && at::equal(values.narrow(2, 3, 2), vn);
