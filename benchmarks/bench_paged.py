@@ -8,7 +8,10 @@ A decode step (one query per sequence) over a batch of sequences whose lengths s
 head_dim 64), timed three ways in interleaved rounds: ``kvcache.attend`` over a contiguous
 ``(batch, kv_heads, max_len, head_dim)`` cache holding the sequences, ``attend_pages`` over the same
 tokens in shuffled pages of each block size, and ``paged/contiguous``, the ratio (the issue's bar:
-<= 1.15). With several ``--batch`` sizes (the same lengths repeated), ``vs_first_batch`` is each
+<= 1.15). ``token_major_us`` times contiguous ``attend`` over the same tokens in token-major memory
+(``(batch, max_len, kv_heads, head_dim)``, each slot's KV heads side by side as in a page, no block
+table), and ``vs_token_major`` is paged over it: what the block table itself costs, apart from the
+slot layout that transformers' and vLLM's pages share. With several ``--batch`` sizes (the same lengths repeated), ``vs_first_batch`` is each
 paged time over the first batch's: decode attention over pages grows with the total context, so
 twice the sequences should cost about twice the time. ``--packed-sdpa`` also times what
 transformers' ``paged|sdpa`` does per layer: gather every sequence's context into one packed
@@ -49,11 +52,17 @@ def case(batch, heads, kv_heads, dim, max_len, block_size, dtype, seed=0, device
     q = torch.randn(batch, heads, 1, dim, generator=g).to(dtype)
     keys, values, lens, kp, vp, table, q = (t.to(device) for t in (keys, values, lens, kp, vp, table, q))
     cache = kvcache.KVLayerCache(keys, values, lens)
+    # The same tokens in token-major memory ((batch, max_len, kv_heads, head_dim), each slot's
+    # heads side by side as in a page), viewed head-major: no pages, the pages' slot layout.
+    token_major = kvcache.KVLayerCache(keys.transpose(1, 2).contiguous().transpose(1, 2),
+                                       values.transpose(1, 2).contiguous().transpose(1, 2), lens)
     cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
     q3 = q[:, :, 0].contiguous()
     contiguous = lambda: kvcache.attend(q, cache)  # noqa: E731
+    contiguous_tm = lambda: kvcache.attend(q, token_major)  # noqa: E731
     paged = lambda: attend_pages(q3, kp, vp, table, lens, cu)  # noqa: E731
     torch.testing.assert_close(paged(), contiguous()[:, :, 0], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(contiguous_tm(), contiguous(), atol=2e-2, rtol=2e-2)
 
     # transformers' paged|sdpa: every context gathered into one packed (1, kv_heads, total, dim),
     # all queries against all keys, a block-diagonal mask keeping each query to its sequence.
@@ -70,7 +79,7 @@ def case(batch, heads, kv_heads, dim, max_len, block_size, dtype, seed=0, device
 
     if batch * max_len <= 1 << 16:  # the stand-in computes what paged attend does (checked where cheap)
         torch.testing.assert_close(packed_sdpa()[0].transpose(0, 1), paged(), atol=2e-2, rtol=2e-2)
-    return contiguous, paged, packed_sdpa
+    return contiguous, contiguous_tm, paged, packed_sdpa
 
 
 def main(argv=None):
@@ -98,24 +107,27 @@ def main(argv=None):
                 for bs in args.block_sizes:
                     first = {}
                     for batch in args.batch:
-                        contiguous, paged, packed = case(batch, args.heads, args.kv_heads, args.head_dim,
-                                                         args.max_len, bs, dtype, device=device)
-                        fns = {"contiguous": contiguous, "paged": paged}
+                        contiguous, token_major, paged, packed = case(batch, args.heads, args.kv_heads,
+                                                                      args.head_dim, args.max_len, bs, dtype,
+                                                                      device=device)
+                        fns = {"contiguous": contiguous, "token_major": token_major, "paged": paged}
                         if args.packed_sdpa:
                             fns["packed_sdpa"] = packed
                         t = common.measure_many(fns, device, args.min_time, args.rounds)
                         c_us, p_us = t["contiguous"]["median_us"], t["paged"]["median_us"]
+                        tm_us = t["token_major"]["median_us"]
                         first = first or {"batch": batch, "paged": p_us,
                                           "sdpa": t.get("packed_sdpa", {}).get("median_us")}
                         row = dict(threads=torch.get_num_threads(), dtype=dt, block_size=bs, batch=batch,
-                                   max_len=args.max_len, contiguous_us=c_us, paged_us=p_us, ratio=p_us / c_us,
+                                   max_len=args.max_len, contiguous_us=c_us, token_major_us=tm_us,
+                                   paged_us=p_us, ratio=p_us / c_us, vs_token_major=p_us / tm_us,
                                    paged_spread=common.spread(t["paged"]), vs_first_batch=p_us / first["paged"])
                         if args.packed_sdpa:
                             s_us = t["packed_sdpa"]["median_us"]
                             row.update(packed_sdpa_us=s_us, sdpa_vs_first_batch=s_us / first["sdpa"])
                         rows.append(row)
-    cols = ["threads", "dtype", "block_size", "batch", "max_len", "contiguous_us", "paged_us", "paged_spread",
-            "ratio", "vs_first_batch"]
+    cols = ["threads", "dtype", "block_size", "batch", "max_len", "contiguous_us", "token_major_us", "paged_us",
+            "paged_spread", "ratio", "vs_token_major", "vs_first_batch"]
     if args.packed_sdpa:
         cols += ["packed_sdpa_us", "sdpa_vs_first_batch"]
     common.print_table("decode attend: paged vs contiguous (median of interleaved rounds)", rows, cols)

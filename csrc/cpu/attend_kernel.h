@@ -864,7 +864,13 @@ struct Int16Scores {
 // slots. ahead: the streams to ask for (Fmt::kBurst: the next block's rows
 // beside the tiles; else the key stream kStreamAhead bytes ahead and this
 // block's values beside their keys), carried by the first group only.
+//
+// Out of line (as pv_block): run_task calls it per run of a block, and
+// inlined there its register tiles were compiled among run_task's live
+// values (a decode over a contiguous fp32 cache ran 1.1x slower when GCC
+// inlined pv_block into a larger run_task).
 template <typename Fmt, typename TK>
+__attribute__((noinline))
 void qk_block(const typename Fmt::Q* q, int64_t ldq, const float* qs, const TK* k, int64_t ldk, int64_t dim,
               int64_t rows, int64_t n, float* s, int64_t lds, const Ahead* ahead, float qscale = 1.f) {
   if (ahead != nullptr && (Fmt::kBurst ? ahead->k == nullptr : ahead->row_bytes == 0)) ahead = nullptr;
@@ -999,6 +1005,7 @@ struct Int16Weights {
 // value stream kStreamAhead bytes ahead (Fmt::kChunks); a packed block
 // (ahead nullptr) in one pass.
 template <typename Fmt, typename TV>
+__attribute__((noinline))
 bool pv_block(const float* p, int64_t ldp, const TV* v, int64_t ldv, int64_t n, float* o, int64_t ldo,
               const float* alpha, int64_t rows, int64_t dim, const Ahead* ahead = nullptr,
               typename Fmt::P* pw = nullptr, float* ws = nullptr) {
@@ -1449,17 +1456,23 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
   // integer loops ask for them between their score tiles; the GEMM loops
   // spread them over their tiles).
   // A grouped task (Task::heads > 1) whose heads sit side by side in each
-  // slot (pages): the first head's pass asks for whole slots, every head's
-  // strip as one stream, and the later heads' passes find them in cache
-  // (they ask only for their own rows ahead, which costs an issue slot a
-  // line) instead of each walking a strided stream of strips.
+  // slot (pages, token-major rows): the first head's pass over a piece asks
+  // for whole slots, every head's strip as one stream, and the later heads'
+  // passes find the piece in L1 and ask for nothing, instead of each
+  // walking a strided stream of strips.
+  // Slots per piece of a run (below): about kPieceBytes of every head's
+  // key rows, which stay in L1 from the first head's pass over the piece to
+  // the last's. One head a task: the whole run.
+  constexpr int64_t kPieceBytes = 12288;
+  const int64_t piece =
+      t.heads > 1 ? std::max<int64_t>(4, kPieceBytes / (t.heads * streams.row_bytes)) : kBlock;
   const bool whole_slots = t.heads > 1 && p.k_stride[1] == D && p.v_stride[1] == D;
   Ahead slot_streams = streams;
   slot_streams.row_bytes = streams.row_bytes * t.heads;
   auto run_ahead = [&](int64_t h, int64_t j, int64_t je, int64_t c1, int64_t cend) {
     Ahead a;
     if (!(plan.keys_in_place() && plan.values_in_place())) return a;
-    if (whole_slots && h > 0) return streams;
+    if (whole_slots && h > 0) return a;  // the first head's pass brought the piece's slots to L1
     a = whole_slots ? slot_streams : streams;
     a.v_cur = reinterpret_cast<const char*>(V.at(j) + h * p.v_stride[1]);
     const int64_t next = je < c1 ? je : cend < task_hi ? cend : -1;
@@ -1500,18 +1513,14 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
     // Runs of consecutive slots in [c0, c1): [j, run_end(j)).
     auto run_end = [&](int64_t j) { return j + std::min(c1 - j, K.run(j)); };
 
-    // Head by head (Task::heads: a grouped task's heads share each slot's
-    // lines, which stay in cache from one head to the next).
-    for (int64_t h = 0; h < t.heads; ++h) {
-      const int64_t ra = h * rows + ta * G, rb = h * rows + tb * G;
-      const int64_t hk = h * p.k_stride[1], hv = h * p.v_stride[1];
-      // A chunk's block (one run): GEMM micro-kernels over packed keys (and
-      // widened values) shared by all its rows.
-      const bool gemm = plan.chunks != Chunks::kNone && rb - ra >= plan.gemm_rows;
-      if (gemm) {
+    // A chunk's block (one run): GEMM micro-kernels over packed keys (and
+    // widened values) shared by all its rows, head by head.
+    if (plan.chunks != Chunks::kNone && (tb - ta) * G >= plan.gemm_rows) {
+      for (int64_t h = 0; h < t.heads; ++h) {
+        const int64_t ra = h * rows + ta * G, rb = h * rows + tb * G;
         const Ahead ahead = run_ahead(h, c0, c1, c1, cend);
-        const TKV* const kc = K.at(c0) + hk;
-        const TKV* const vc = V.at(c0) + hv;
+        const TKV* const kc = K.at(c0) + h * p.k_stride[1];
+        const TKV* const vc = V.at(c0) + h * p.v_stride[1];
         Trickle pf(ahead);  // the next block's lines, over this block's tiles
         // bf16 chunks on AVX512-BF16: both products on bf16 pairs.
         const bool pairs = kBf16Pairs<T, TKV> && plan.chunks == Chunks::kBf16Pairs;
@@ -1542,25 +1551,47 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
           pv_gemm<FloatWeights>(S + ra * kBlock, kBlock, static_cast<const float*>(sc.vb.data()), Dp, n, n8,
                                 rb - ra, Dp, O + ra * Dp, Dp, alpha + ra, nullptr, nullptr, pf);
         }
-        continue;
       }
-      // Scores, run by run: read in place, or widened into the block's
-      // scratch rows and scored once.
+      continue;
+    }
+    // Otherwise run by run (the consecutive slots of one page), each run
+    // by pieces of at most `piece` slots, and within a piece head by head:
+    // a grouped task's heads share each slot's lines (Task::heads), and a
+    // piece of every head's rows stays in L1 from the first head's pass to
+    // the last's (a whole block of them, heads x kBlock slots, does not).
+    // Head h's rows: [h * rows + ta * G, h * rows + tb * G); its widened
+    // keys and values (not read in place): kBlock x Dp floats at h.
+    auto head_rows = [&](int64_t h) { return std::pair<int64_t, int64_t>{h * rows + ta * G, h * rows + tb * G}; };
+    auto pieces = [&](auto&& f) {
       for (int64_t j = c0, je; j < c1; j = je) {
         je = run_end(j);
-        if (plan.keys_in_place()) {
-          const Ahead ahead = run_ahead(h, j, je, c1, cend);
-          score_in_place<T>(plan, sc, ra, rb, K.at(j) + hk, K.ld, je - j, &ahead, j - c0);
-        } else {
-          pack_rows(K.at(j) + hk, K.ld, p.k_stride[3], je - j, D, Dp, sc.kb.data() + (j - c0) * Dp);
-        }
-        if constexpr (kQuantized) {
-          if (plan.keys_in_place()) scale_columns(S + (j - c0), ra, rb, je - j, KS.at(j) + h * p.ks_stride[1], KS.ld);
+        for (int64_t a = j, e; a < je; a = e) {
+          e = std::min(je, a + piece);
+          f(a, e);
         }
       }
+    };
+    // Scores: read in place, or widened into the block's scratch rows and
+    // scored once.
+    pieces([&](int64_t a, int64_t e) {
+      for (int64_t h = 0; h < t.heads; ++h) {
+        const auto [ra, rb] = head_rows(h);
+        if (plan.keys_in_place()) {
+          const Ahead ahead = run_ahead(h, a, e, c1, cend);
+          score_in_place<T>(plan, sc, ra, rb, K.at(a) + h * p.k_stride[1], K.ld, e - a,
+                            &ahead, a - c0);
+          if constexpr (kQuantized) scale_columns(S + (a - c0), ra, rb, e - a, KS.at(a) + h * p.ks_stride[1], KS.ld);
+        } else {
+          pack_rows(K.at(a) + h * p.k_stride[1], K.ld, p.k_stride[3], e - a, D, Dp,
+                    sc.kb.data() + (h * kBlock + a - c0) * Dp);
+        }
+      }
+    });
+    for (int64_t h = 0; h < t.heads; ++h) {
+      const auto [ra, rb] = head_rows(h);
       if (!plan.keys_in_place()) {
-        qk_block<FloatScores>(Q + ra * Dp, Dp, nullptr, static_cast<const float*>(sc.kb.data()), Dp, Dp,
-                              rb - ra, n, S + ra * kBlock, kBlock, nullptr);
+        qk_block<FloatScores>(Q + ra * Dp, Dp, nullptr, static_cast<const float*>(sc.kb.data()) + h * kBlock * Dp,
+                              Dp, Dp, rb - ra, n, S + ra * kBlock, kBlock, nullptr);
         if constexpr (kQuantized) {
           for (int64_t j = c0; j < c1; j = run_end(j)) {
             scale_columns(S + (j - c0), ra, rb, run_end(j) - j, KS.at(j) + h * p.ks_stride[1], KS.ld);
@@ -1568,23 +1599,29 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
         }
       }
       softmax_rows(plan, sc, h * rows, ra, rb, c0, c1, n8);
-      // Weights, run by run; the block's first run rescales the output.
-      for (int64_t j = c0, je; j < c1; j = je) {
-        je = run_end(j);
+    }
+    // Weights, the same way; a head's first piece rescales its output.
+    pieces([&](int64_t a, int64_t e) {
+      for (int64_t h = 0; h < t.heads; ++h) {
+        const auto [ra, rb] = head_rows(h);
         if constexpr (kQuantized) {
-          scale_columns(S + (j - c0), ra, rb, je - j, VS.at(j) + h * p.vs_stride[1], VS.ld);
+          scale_columns(S + (a - c0), ra, rb, e - a, VS.at(a) + h * p.vs_stride[1], VS.ld);
         }
         if (plan.values_in_place()) {
-          const Ahead ahead = run_ahead(h, j, je, c1, cend);
-          weigh_in_place<T>(plan, sc, ra, rb, V.at(j) + hv, V.ld, je - j, &ahead, j - c0,
-                            j == c0 ? alpha + ra : nullptr);
+          const Ahead ahead = run_ahead(h, a, e, c1, cend);
+          weigh_in_place<T>(plan, sc, ra, rb, V.at(a) + h * p.v_stride[1], V.ld, e - a,
+                            &ahead, a - c0, a == c0 ? alpha + ra : nullptr);
         } else {
-          pack_rows(V.at(j) + hv, V.ld, p.v_stride[3], je - j, D, Dp, sc.vb.data() + (j - c0) * Dp);
+          pack_rows(V.at(a) + h * p.v_stride[1], V.ld, p.v_stride[3], e - a, D, Dp,
+                    sc.vb.data() + (h * kBlock + a - c0) * Dp);
         }
       }
-      if (!plan.values_in_place()) {
-        pv_block<FloatWeights>(S + ra * kBlock, kBlock, static_cast<const float*>(sc.vb.data()), Dp, n,
-                               O + ra * Dp, Dp, alpha + ra, rb - ra, Dp);
+    });
+    if (!plan.values_in_place()) {
+      for (int64_t h = 0; h < t.heads; ++h) {
+        const auto [ra, rb] = head_rows(h);
+        pv_block<FloatWeights>(S + ra * kBlock, kBlock, static_cast<const float*>(sc.vb.data()) + h * kBlock * Dp,
+                               Dp, n, O + ra * Dp, Dp, alpha + ra, rb - ra, Dp);
       }
     }
   }

@@ -99,9 +99,12 @@ Plan make_plan(const AttendParams& p, Isa path, int64_t gemm_rows) {
   } else {
     plan.qscale = p.scale * kLog2e;
   }
-  // Paged slots hold every KV head side by side: tiles of few rows take
-  // all heads in one task (Plan::heads).
-  if (plan.layout == Layout::kPages && p.num_kv_heads > 1 && p.num_heads <= Plan::kGroupedRows) {
+  // Paged slots hold every KV head side by side, and so do the slots of a
+  // token-major cache ((batch, max_len, kv_heads, head_dim) memory viewed
+  // head-major): tiles of few rows take all heads in one task (Plan::heads).
+  const bool heads_side_by_side = p.k_stride[1] == p.head_dim && p.v_stride[1] == p.head_dim;
+  if ((plan.layout == Layout::kPages || (plan.layout == Layout::kRows && heads_side_by_side)) &&
+      p.num_kv_heads > 1 && p.num_heads <= Plan::kGroupedRows) {
     plan.heads = p.num_kv_heads;
   }
   return plan;

@@ -92,14 +92,15 @@ struct Plan {
   // sums (rows = group * seq: split tasks hold every query position).
   float* partial = nullptr;
   int64_t part_stride = 0;
-  // Paged layouts keep a slot's KV heads side by side (slot stride
-  // num_kv_heads x head_dim): a task over one head would read a strip of
-  // every slot and skip the rest, which measured up to 1.9x slower than the
-  // same work over a head-major cache (benchmarks/bench_paged.py). Tasks of
-  // few query rows (decode, short chunks: at most kGroupedRows rows over all
-  // heads) therefore take every KV head of their sequence (Task::heads) and
-  // walk the heads inside each block, so a block's slots are read whole
-  // while they are in cache. 1: one head a task (every other layout).
+  // Paged layouts (and token-major caches) keep a slot's KV heads side by
+  // side (slot stride num_kv_heads x head_dim): a task over one head would
+  // read a strip of every slot and skip the rest, which measured up to 1.9x
+  // slower than the same work over a head-major cache
+  // (benchmarks/bench_paged.py). Tasks of few query rows (decode, short
+  // chunks: at most kGroupedRows rows over all heads) therefore take every
+  // KV head of their sequence (Task::heads) and walk the heads inside each
+  // piece of a block, so its slots are read whole while they are in L1.
+  // 1: one head a task (head-major caches, rings).
   int64_t heads = 1;
 
   int64_t max_rows() const { return group * tile; }
@@ -227,8 +228,9 @@ struct Scratch {
     o.assign(rows * plan.dim_pad, 0.f);
     s.assign(rows * kBlock, 0.f);
     const bool chunks = plan.chunks != Chunks::kNone;
-    if (!plan.keys_in_place() || chunks) kb.assign(kBlock * plan.dim_pad, 0.f);
-    if (!plan.values_in_place() || chunks) vb.assign(kBlock * plan.dim_pad, 0.f);
+    // Widened keys and values: kBlock x dim_pad floats per head of a task.
+    if (!plan.keys_in_place() || chunks) kb.assign(plan.heads * kBlock * plan.dim_pad, 0.f);
+    if (!plan.values_in_place() || chunks) vb.assign(plan.heads * kBlock * plan.dim_pad, 0.f);
     if (chunks) kt.assign(plan.dim_pad * kBlock, 0.f);
     if (plan.layout == Layout::kRing) {
       sel.assign(plan.p->max_len, 0);

@@ -52,19 +52,36 @@ void check_pages(const at::Tensor& key_pages, const at::Tensor& value_pages) {
 
 // Scales of quantized pages: given exactly when the pages are int8/fp8,
 // dense float32 (num_blocks, block_size, num_kv_heads) on their device.
+// The mistakes raise what the same mistake raises in the contiguous ops: a
+// write (update_) a TypeError for scales with plain pages or none with
+// quantized pages (the data's dtype does not fit the write's format) and a
+// ValueError for one scale of two; a read (attend) a ValueError.
 void check_page_scales(const at::Tensor& key_pages, const std::optional<at::Tensor>& key_scales,
                        const std::optional<at::Tensor>& value_scales, bool written) {
   const KvFormat format = format_of(key_pages.scalar_type());
+  const bool both = key_scales.has_value() && value_scales.has_value();
+  const bool neither = !key_scales.has_value() && !value_scales.has_value();
+  TORCH_CHECK_VALUE(both || neither, key_scales.has_value() ? "key_scales" : "value_scales",
+                    " is given without ", key_scales.has_value() ? "value_scales" : "key_scales",
+                    ": quantized pages need both, plain pages neither");
   if (format == KvFormat::kPlain) {
-    TORCH_CHECK_VALUE(!key_scales.has_value() && !value_scales.has_value(),
-                      "key_scales and value_scales are the scales of quantized pages "
-                      "(torch.int8 or torch.float8_e4m3fn), got pages of dtype ",
-                      py_dtype(key_pages.scalar_type()));
+    const std::string msg = c10::str("key_scales and value_scales are the scales of quantized pages "
+                                     "(torch.int8 or torch.float8_e4m3fn), got pages of dtype ",
+                                     py_dtype(key_pages.scalar_type()));
+    if (written) {
+      TORCH_CHECK_TYPE(neither, msg);
+    } else {
+      TORCH_CHECK_VALUE(neither, msg);
+    }
     return;
   }
-  TORCH_CHECK_VALUE(key_scales.has_value() && value_scales.has_value(), "key_pages are ",
-                    py_dtype(key_pages.scalar_type()),
-                    " (quantized): pass both key_scales and value_scales");
+  const std::string msg = c10::str("key_pages are ", py_dtype(key_pages.scalar_type()),
+                                   " (quantized): pass both key_scales and value_scales");
+  if (written) {
+    TORCH_CHECK_TYPE(both, msg);
+  } else {
+    TORCH_CHECK_VALUE(both, msg);
+  }
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{*key_scales, "key_scales"},
                                 {*value_scales, "value_scales"}}) {
     if (written) {

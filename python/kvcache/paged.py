@@ -61,8 +61,10 @@ def write_pages(
     Raises:
         ValueError: Shapes or devices that do not fit, tensors sharing memory, a slot outside
             ``[-1, num_blocks * block_size)`` or a slot given twice (CPU; checked before anything
-            is written; on CUDA a bad slot mapping writes nothing).
-        TypeError: A dtype that does not fit (no implicit casts).
+            is written; on CUDA a bad slot mapping writes nothing); one of the two scales given
+            without the other.
+        TypeError: A dtype that does not fit (no implicit casts); scales given with plain pages,
+            or left out with int8 / fp8 pages (as ``update_kv_layer_cache`` raises).
     """
     _write_op(key_pages, value_pages, key, value, slot_mapping, key_scales=key_scales,
               value_scales=value_scales)

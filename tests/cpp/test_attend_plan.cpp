@@ -188,6 +188,32 @@ TEST_CASE("make_plan: layouts", "[attend_plan]") {
   REQUIRE(s.tasks[0].heads == 2);
 }
 
+TEST_CASE("make_plan: token-major rows group their KV heads as pages do", "[attend_plan]") {
+  // (batch, max_len, kv_heads, dim) memory viewed head-major: each slot's heads side by side.
+  Call tm(2, 9, 3, 1, 64, 256, {256, 30});
+  const int64_t k[4] = {256 * 3 * 64, 64, 3 * 64, 1};
+  std::copy(k, k + 4, tm.p.k_stride);
+  std::copy(k, k + 4, tm.p.v_stride);
+  Plan plan = make_plan(tm.p, Isa::kAvx2, 32);
+  REQUIRE(plan.layout == Layout::kRows);
+  REQUIRE(plan.heads == 3);
+  Schedule s = make_schedule(plan, 2, 0.0, 64);  // splits of the long row keep every head
+  for (const Task& t : s.tasks) REQUIRE(t.heads == 3);
+  check_cover(plan, s);
+  // Values head-major: the heads are not side by side in both, one head a task.
+  const int64_t v[4] = {3 * 256 * 64, 256 * 64, 64, 1};
+  std::copy(v, v + 4, tm.p.v_stride);
+  REQUIRE(make_plan(tm.p, Isa::kAvx2, 32).heads == 1);
+  // Long chunks (more than kGroupedRows rows over all heads): one head a task.
+  Call chunk(1, 9, 3, 64, 64, 256, {256});
+  std::copy(k, k + 4, chunk.p.k_stride);
+  std::copy(k, k + 4, chunk.p.v_stride);
+  Plan cplan = make_plan(chunk.p, Isa::kAvx2, 32);
+  Schedule cs = make_schedule(cplan, 1, 0.0, 128);
+  for (const Task& t : cs.tasks) REQUIRE(t.heads == 1);
+  check_cover(cplan, cs);
+}
+
 TEST_CASE("make_schedule: one thread runs every tile whole", "[attend_plan]") {
   Call c(3, 8, 2, 5, 64, 4096, {5, 1000, 4000});
   Plan plan = make_plan(c.p, Isa::kAvx2, 32);

@@ -397,7 +397,10 @@ def test_attend_errors(name, over, exc, match):
     ("shape", ValueError, r"key must have shape \(num_tokens, num_kv_heads=3, head_dim=8\)"),
     ("slots shape", ValueError, r"slot_mapping must have shape \(num_tokens=3,\)"),
     ("alias", ValueError, r"key must not share memory with key_pages"),
-    ("missing scales", ValueError, r"pass both key_scales and value_scales"),
+    # As update_ raises for the same mistakes: the data's dtype does not fit the write's format.
+    ("missing scales", TypeError, r"pass both key_scales and value_scales"),
+    ("scales on plain", TypeError, r"key_scales and value_scales are the scales of quantized pages"),
+    ("one scale", ValueError, r"key_scales is given without value_scales"),
 ])
 def test_write_errors_write_nothing(case, exc, match):
     c = init_paged_cache(6, 4, 3, 8, torch.float32)
@@ -424,6 +427,12 @@ def test_write_errors_write_nothing(case, exc, match):
     elif case == "missing scales":
         q = init_paged_cache(6, 4, 3, 8, torch.float32, kv_dtype="int8")
         kp, vp = q.key_pages, q.value_pages
+        before = (kp.clone(), vp.clone())
+    elif case == "scales on plain":
+        ks, vs = torch.ones(6, 4, 3), torch.ones(6, 4, 3)
+    elif case == "one scale":
+        q = init_paged_cache(6, 4, 3, 8, torch.float32, kv_dtype="int8")
+        kp, vp, ks = q.key_pages, q.value_pages, q.key_scales
         before = (kp.clone(), vp.clone())
     with pytest.raises(exc, match=match):
         write_pages(kp, vp, key, value, slots, ks, vs)
