@@ -16,9 +16,10 @@ budget):
 * ``sdpa``: transformers' paged path: ``index_copy_`` then ``index_select`` of every request's whole
   context per layer, and an additive ``(tokens, context)`` mask per step.
 
-Columns: generated tokens/s (all requests' new tokens / wall time) and its ratio to ``sdpa``'s, the
-run's floor (the requests' FLOPs at the GEMM rate measured in the same run) and the fraction of it
-reached, whether every request's tokens equal ``sdpa``'s (else how many differ and the earliest
+Columns: generated tokens/s (all requests' new tokens / wall time) and its ratio to ``sdpa``'s,
+``ceiling_vs_sdpa`` (``sdpa``'s time over the floor: the ratio a run at the floor would reach, the
+most any attention can gain over ``sdpa`` on this machine), the run's floor (the requests' FLOPs at
+the GEMM rate measured in the same run) and the fraction of it reached, whether every request's tokens equal ``sdpa``'s (else how many differ and the earliest
 token index where one does), the KV bytes the requests hold at the end (``(prompt + new) x layers x 2 x
 kv_heads x head_dim x itemsize``) and the paged cache tensor transformers allocated. paged|sdpa is
 very slow on CPU at large sizes: start small (``--requests 4 --prompt-max 32 --new-tokens 8``).
@@ -215,6 +216,9 @@ def main() -> None:
                     for row in rows[-len(args.attn):]:
                         mine = results[row["attn"].split("|")[1]]
                         row["vs_sdpa"] = row["tokens_per_s"] / sdpa_rate if sdpa_rate else float("nan")
+                        # The most any attention could gain over paged|sdpa here: a run at the floor.
+                        row["ceiling_vs_sdpa"] = (n * args.new_tokens / sdpa_rate / floor if sdpa_rate
+                                                  else float("nan"))
                         differ, first = first_difference(mine, ref) if ref is not None else (0, None)
                         row["same_as_sdpa"] = ("n/a" if ref is None else "yes" if differ == 0 else
                                                f"no ({differ}/{n} differ, first at token {first})")
@@ -222,9 +226,11 @@ def main() -> None:
     print_table(f"generate_batch, {MODELS[args.model]}, prompts {args.prompt_min}-{args.prompt_max}, "
                 f"{args.new_tokens} new tokens, page {PAGE}, step budget {args.max_batch_tokens} tokens",
                 rows, ["dtype", "threads", "requests", "attn", "prompt_tokens", "seconds", "tokens_per_s",
-                       "vs_sdpa", "floor_s", "of_floor", "same_as_sdpa", "kv_bytes_held", "cache_tensor_bytes"])
+                       "vs_sdpa", "ceiling_vs_sdpa", "floor_s", "of_floor", "same_as_sdpa", "kv_bytes_held",
+                       "cache_tensor_bytes"])
     print("floor_s: the requests' FLOPs (weights x tokens, attention over each token's context) at the "
-          "GEMM rate measured in the same run (gemm_gflops in --json); of_floor = floor_s / seconds.")
+          "GEMM rate measured in the same run (gemm_gflops in --json); of_floor = floor_s / seconds; "
+          "ceiling_vs_sdpa = paged|sdpa's seconds / floor_s, the most any attention could gain over it here.")
     write_json(args.json, env, args, rows)
 
 
