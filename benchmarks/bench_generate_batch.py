@@ -19,10 +19,12 @@ budget):
 Columns: generated tokens/s (all requests' new tokens / wall time) and its ratio to ``sdpa``'s,
 ``ceiling_vs_sdpa`` (``sdpa``'s time over the floor: the ratio a run at the floor would reach, the
 most any attention can gain over ``sdpa`` on this machine), the run's floor (the requests' FLOPs at
-the GEMM rate measured in the same run) and the fraction of it reached, whether every request's tokens equal ``sdpa``'s (else how many differ and the earliest
-token index where one does), the KV bytes the requests hold at the end (``(prompt + new) x layers x 2 x
-kv_heads x head_dim x itemsize``) and the paged cache tensor transformers allocated. paged|sdpa is
-very slow on CPU at large sizes: start small (``--requests 4 --prompt-max 32 --new-tokens 8``).
+the GEMM rate measured in the same run) and the fraction of it reached, whether every request's
+tokens equal ``sdpa``'s (else how many differ, the earliest token index where one does, and there
+the model's logit gap between the two choices: a near-tie either attention's rounding may break),
+the KV bytes the requests hold at the end (``(prompt + new) x layers x 2 x kv_heads x head_dim x
+itemsize``) and the paged cache tensor transformers allocated. paged|sdpa is very slow on CPU at
+large sizes: start small (``--requests 4 --prompt-max 32 --new-tokens 8``).
 """
 
 from __future__ import annotations
@@ -97,17 +99,20 @@ class _CacheBytes:
 
 
 def gemm_rate(cfg, dtype: torch.dtype, rows: int = 512, reps: int = 5, rounds: int = 7) -> float:
-    """FLOP/s of the model's largest projection shape (rows x hidden @ hidden x intermediate), timed now:
-    the best of ``rounds`` rounds of ``reps`` calls (the machine's rate, not a slow moment of a shared one)."""
+    """FLOP/s of the model's largest projection shape (rows x hidden @ hidden x intermediate) as its
+    Linear layers compute it (``F.linear`` with an (out, in) weight: a bf16 ``torch.mm`` takes a
+    reference path on CPUs without bf16 instructions, 15x slower than the model's own calls), timed
+    now: the best of ``rounds`` rounds of ``reps`` calls (the machine's rate, not a slow moment of a
+    shared one)."""
     a = torch.randn(rows, cfg.hidden_size).to(dtype)
-    w = torch.randn(cfg.hidden_size, cfg.intermediate_size).to(dtype)
+    w = torch.randn(cfg.intermediate_size, cfg.hidden_size).to(dtype)
     for _ in range(3):
-        torch.mm(a, w)
+        torch.nn.functional.linear(a, w)
     best = float("inf")
     for _ in range(rounds):
         t0 = time.perf_counter()
         for _ in range(reps):
-            torch.mm(a, w)
+            torch.nn.functional.linear(a, w)
         best = min(best, time.perf_counter() - t0)
     return 2.0 * rows * cfg.hidden_size * cfg.intermediate_size * reps / best
 
@@ -134,10 +139,25 @@ def work_flops(model, reqs, new_tokens: int) -> float:
 
 
 def first_difference(mine, ref):
-    """(requests that differ, earliest token index at which one does) between two runs' tokens."""
-    firsts = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-              for a, b in zip(mine, ref) if a != b]
-    return len(firsts), (min(firsts) if firsts else None)
+    """(requests that differ, earliest token index at which one does, that request's index) between
+    two runs' tokens."""
+    firsts = [(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))), r)
+              for r, (a, b) in enumerate(zip(mine, ref)) if a != b]
+    if not firsts:
+        return 0, None, None
+    first, req = min(firsts)
+    return len(firsts), first, req
+
+
+def logit_gap(model, prompt, common, tok_a: int, tok_b: int) -> float:
+    """How close the two choices were where two runs first differ: the model's logits (its dtype,
+    plain SDPA over the whole sequence, no cache) after ``prompt + common``, logit[tok_a] - logit[tok_b].
+    A gap near the dtype's rounding of the logits is a tie that either attention may break."""
+    model.set_attn_implementation("sdpa")
+    ids = torch.tensor([list(prompt) + list(common)])
+    with torch.no_grad():
+        logits = model(ids).logits[0, -1].float()
+    return float(logits[tok_a] - logits[tok_b])
 
 
 def run(model, attn: str, reqs, new_tokens: int, max_batch_tokens: int):
@@ -219,9 +239,15 @@ def main() -> None:
                         # The most any attention could gain over paged|sdpa here: a run at the floor.
                         row["ceiling_vs_sdpa"] = (n * args.new_tokens / sdpa_rate / floor if sdpa_rate
                                                   else float("nan"))
-                        differ, first = first_difference(mine, ref) if ref is not None else (0, None)
+                        differ, first, req = (first_difference(mine, ref) if ref is not None
+                                              else (0, None, None))
+                        gap = ""
+                        if differ and first < min(len(mine[req]), len(ref[req])):
+                            g = logit_gap(model, reqs[req], mine[req][:first], mine[req][first], ref[req][first])
+                            row["first_difference_logit_gap"] = g
+                            gap = f", logit gap there {g:.3g}"
                         row["same_as_sdpa"] = ("n/a" if ref is None else "yes" if differ == 0 else
-                                               f"no ({differ}/{n} differ, first at token {first})")
+                                               f"no ({differ}/{n} differ, first at token {first}{gap})")
         model.set_attn_implementation("kvcache")
     print_table(f"generate_batch, {MODELS[args.model]}, prompts {args.prompt_min}-{args.prompt_max}, "
                 f"{args.new_tokens} new tokens, page {PAGE}, step budget {args.max_batch_tokens} tokens",
