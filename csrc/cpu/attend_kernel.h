@@ -914,9 +914,10 @@ void qk_block(const typename Fmt::Q* q, int64_t ldq, const float* qs, const TK* 
       }
       Fmt::template tile<R, C>(qr, ldq, k + c * ldk, ldk, dim, qscale, qsv, sr + c, lds);
     }
-    if (!Fmt::kBurst && a != nullptr && a->spread > 0) {  // the rows the tail's share
-      prefetch_rows(a->k, a->ldk, c * a->spread / std::max<int64_t>(n, 1), a->spread, a->row_bytes);
-      prefetch_rows(a->v, a->ldv, c * a->spread / std::max<int64_t>(n, 1), a->spread, a->row_bytes);
+    if (!Fmt::kBurst && a != nullptr && a->spread > 0 && c < n) {  // the tail tiles' share
+      const int64_t r0 = c * a->spread / n;
+      prefetch_rows(a->k, a->ldk, r0, a->spread, a->row_bytes);
+      prefetch_rows(a->v, a->ldv, r0, a->spread, a->row_bytes);
     }
     if constexpr (Fmt::kBurst) {
       if (a != nullptr && c < a->rows) {
@@ -1491,14 +1492,16 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
   auto run_ahead = [&](int64_t h, int64_t j, int64_t je, int64_t c1, int64_t cend, bool scores = true) {
     Ahead a;
     if (!(plan.keys_in_place() && plan.values_in_place())) return a;
+    // The rows after [j, je): [next, stop), of which K.run(next) are consecutive.
+    const int64_t next = je < c1 ? je : cend < task_hi ? cend : -1;
+    const int64_t stop = next < 0 ? -1 : je < c1 ? c1 : block_end(cend);
     if (spread) {
       // Every head's score pass over this piece asks for its share of the
       // next piece's whole slots (keys and values), so that the memory
       // traffic runs beside all heads' work, not in bursts during the first
       // head's; the weight passes find the values in L2.
-      const int64_t next = je < c1 ? je : cend < task_hi ? cend : -1;
       if (!scores || next < 0) return a;
-      const int64_t m = std::min({piece, (je < c1 ? c1 : block_end(cend)) - next, K.run(next)});
+      const int64_t m = std::min({piece, stop - next, K.run(next)});
       const int64_t s0 = next + h * m / t.heads, s1 = next + (h + 1) * m / t.heads;
       if (s0 >= s1) return a;
       a = slot_streams;
@@ -1510,11 +1513,9 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
     if (whole_slots && h > 0) return a;  // the first head's pass brought the piece's slots to L1
     a = whole_slots ? slot_streams : streams;
     a.v_cur = reinterpret_cast<const char*>(V.at(j) + h * p.v_stride[1]);
-    const int64_t next = je < c1 ? je : cend < task_hi ? cend : -1;
     if (next >= 0) {
       a.k = reinterpret_cast<const char*>(K.at(next) + h * p.k_stride[1]);
       a.v = reinterpret_cast<const char*>(V.at(next) + h * p.v_stride[1]);
-      const int64_t stop = je < c1 ? c1 : block_end(cend);
       a.rows = std::min(stop - next, K.run(next));
     }
     return a;
@@ -1596,7 +1597,9 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
     // the last's (a whole block of them, heads x kBlock slots, does not).
     // Head h's rows: [h * rows + ta * G, h * rows + tb * G); its widened
     // keys and values (not read in place): kBlock x Dp floats at h.
-    auto head_rows = [&](int64_t h) { return std::pair<int64_t, int64_t>{h * rows + ta * G, h * rows + tb * G}; };
+    auto head_rows = [&](int64_t h) {
+      return std::pair<int64_t, int64_t>{h * rows + ta * G, h * rows + tb * G};
+    };
     auto pieces = [&](auto&& f) {
       for (int64_t j = c0, je; j < c1; j = je) {
         je = run_end(j);
@@ -1615,7 +1618,9 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
           const Ahead ahead = run_ahead(h, a, e, c1, cend);
           score_in_place<T>(plan, sc, ra, rb, K.at(a) + h * p.k_stride[1], K.ld, e - a,
                             &ahead, a - c0);
-          if constexpr (kQuantized) scale_columns(S + (a - c0), ra, rb, e - a, KS.at(a) + h * p.ks_stride[1], KS.ld);
+          if constexpr (kQuantized) {
+            scale_columns(S + (a - c0), ra, rb, e - a, KS.at(a) + h * p.ks_stride[1], KS.ld);
+          }
         } else {
           pack_rows(K.at(a) + h * p.k_stride[1], K.ld, p.k_stride[3], e - a, D, Dp,
                     sc.kb.data() + (h * kBlock + a - c0) * Dp);

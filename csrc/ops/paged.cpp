@@ -64,23 +64,22 @@ void check_page_scales(const at::Tensor& key_pages, const std::optional<at::Tens
   TORCH_CHECK_VALUE(both || neither, key_scales.has_value() ? "key_scales" : "value_scales",
                     " is given without ", key_scales.has_value() ? "value_scales" : "key_scales",
                     ": quantized pages need both, plain pages neither");
+  // Scales that do not fit the pages' format: the write's TypeError, the read's ValueError.
+  auto refuse = [written](const std::string& msg) {
+    if (written) TORCH_CHECK_TYPE(false, msg);
+    TORCH_CHECK_VALUE(false, msg);
+  };
   if (format == KvFormat::kPlain) {
-    const std::string msg = c10::str("key_scales and value_scales are the scales of quantized pages "
-                                     "(torch.int8 or torch.float8_e4m3fn), got pages of dtype ",
-                                     py_dtype(key_pages.scalar_type()));
-    if (written) {
-      TORCH_CHECK_TYPE(neither, msg);
-    } else {
-      TORCH_CHECK_VALUE(neither, msg);
+    if (both) {
+      refuse(c10::str("key_scales and value_scales are the scales of quantized pages "
+                      "(torch.int8 or torch.float8_e4m3fn), got pages of dtype ",
+                      py_dtype(key_pages.scalar_type())));
     }
     return;
   }
-  const std::string msg = c10::str("key_pages are ", py_dtype(key_pages.scalar_type()),
-                                   " (quantized): pass both key_scales and value_scales");
-  if (written) {
-    TORCH_CHECK_TYPE(both, msg);
-  } else {
-    TORCH_CHECK_VALUE(both, msg);
+  if (neither) {
+    refuse(c10::str("key_pages are ", py_dtype(key_pages.scalar_type()),
+                    " (quantized): pass both key_scales and value_scales"));
   }
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{*key_scales, "key_scales"},
                                 {*value_scales, "value_scales"}}) {
