@@ -41,8 +41,10 @@
 //    (flash decoding, merged by paged_combine_kernel); longer query runs
 //    split the row tiles over slices instead (no merge needed);
 //  - bad metadata never reads out of bounds: every block checks that
-//    cu_seqlens_q starts at 0, ends at total_q and never decreases (a read
-//    of num_seqs + 1 ints), else the whole output is NaN; a sequence whose
+//    cu_seqlens_q starts at 0, ends at most at total_q and never decreases
+//    (a read of num_seqs + 1 ints), else the whole output is NaN; the rows
+//    after its end (a padded batch) are no sequence's and stay 0 (the entry
+//    allocates zeros; the combine writes 0); a sequence whose
 //    context_len is below its query count or above max_blocks * block_size
 //    gets NaN rows; a table entry outside [0, num_blocks) of a page a query
 //    would read is not read, and the queries that see one of its slots get
@@ -53,6 +55,7 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -354,12 +357,13 @@ __device__ __forceinline__ int64_t cu_at(const PagedArgs& a, int64_t i) {
   return a.cu[i * a.cu_stride];
 }
 
-// Whether cu_seqlens_q starts at 0, ends at total_q and never decreases
-// (then every sequence's range lies in [0, total_q) and they tile it). All
+// Whether cu_seqlens_q starts at 0, ends at most at total_q and never
+// decreases (then every sequence's range lies in [0, total_q) and they tile
+// [0, cu_seqlens_q[num_seqs]); the rest is padding). All
 // threads call it; ends with a barrier.
 __device__ __forceinline__ bool batch_consistent(const PagedArgs& a) {
   int bad = 0;
-  if (threadIdx.x == 0) bad = cu_at(a, 0) != 0 || cu_at(a, a.num_seqs) != a.total_q;
+  if (threadIdx.x == 0) bad = cu_at(a, 0) != 0 || cu_at(a, a.num_seqs) > a.total_q;
   for (int64_t i = threadIdx.x; i < a.num_seqs; i += kThreads) {
     bad |= cu_at(a, i) > cu_at(a, i + 1);
   }
@@ -668,6 +672,10 @@ __global__ void __launch_bounds__(kCombineThreads) paged_combine_kernel(const Pa
     for (int d = threadIdx.x; d < D; d += kCombineThreads) store_nan(out + d * a.os[2]);
     return;
   }
+  if (t >= cu_at(a, a.num_seqs)) {  // padding after the last sequence: no split wrote it
+    for (int d = threadIdx.x; d < D; d += kCombineThreads) out[d * a.os[2]] = static_cast<T>(0.f);
+    return;
+  }
   if (threadIdx.x == 0) {
     const bool has_sink = a.sink_logits != nullptr;
     factor_s = detail::merge_splits(
@@ -724,6 +732,17 @@ void paged_format(const AttendParams& p, const PagedArgs& a, int R, int64_t smem
   }
 }
 
+// A batch of no sequence: the output's bytes become 0xff (NaN) unless
+// cu_seqlens_q = [0] (then every row is padding and stays 0).
+__global__ void nan_unless_start_zero_kernel(unsigned char* out, int64_t bytes,
+                                             const int32_t* cu) {
+  if (cu[0] == 0) return;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < bytes;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    out[i] = 0xff;
+  }
+}
+
 void paged_attend_cuda(const AttendParams& p) {
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(p.device_index));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -732,11 +751,15 @@ void paged_attend_cuda(const AttendParams& p) {
   const int64_t elem_q = p.dtype == detail::AttnDtype::kFloat32 ? 4 : 2;
   if (p.batch == 0) {
     // No sequence but queries (the entry launches nothing for an empty
-    // output): cu_seqlens_q = [0] cannot end at total_q > 0, so every
-    // output is NaN. The output is the entry's fresh contiguous tensor;
-    // 0xff bytes are NaN in float32, bfloat16 and float16.
-    C10_CUDA_CHECK(cudaMemsetAsync(p.out, 0xff,
-                                   static_cast<size_t>(total_q * p.num_heads * D * elem_q), stream));
+    // output): every row is padding (the entry's zeros) when cu_seqlens_q
+    // = [0], else the batch is bad and every output NaN. The output is the
+    // entry's fresh contiguous tensor; 0xff bytes are NaN in float32,
+    // bfloat16 and float16.
+    const int64_t bytes = total_q * p.num_heads * D * elem_q;
+    const int64_t grid = std::min<int64_t>((bytes + kThreads - 1) / kThreads, 1024);
+    nan_unless_start_zero_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
+        static_cast<unsigned char*>(p.out), bytes, p.cu_seqlens_q);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
   const DeviceLimits dev = device_limits(p.device_index);

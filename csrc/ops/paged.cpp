@@ -1,6 +1,7 @@
 #include "paged.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -259,9 +260,12 @@ PagedRows check_paged_attend(const at::Tensor& q, const at::Tensor& key_pages,
   const int64_t max_blocks = block_table.size(1);
   TORCH_CHECK_VALUE(row_value(cu_seqlens_q, 0) == 0, "cu_seqlens_q must start at 0, got ",
                     row_value(cu_seqlens_q, 0));
-  TORCH_CHECK_VALUE(row_value(cu_seqlens_q, n) == total_q,
-                    "cu_seqlens_q must end at total_q=", total_q, " (q's first dim), got ",
-                    row_value(cu_seqlens_q, n));
+  // q may hold padding after the last sequence's queries (a batch padded to
+  // a fixed token count for compiled or CUDA-graph steps): rows
+  // [cu_seqlens_q[num_seqs], total_q) are no sequence's and come out 0.
+  TORCH_CHECK_VALUE(row_value(cu_seqlens_q, n) <= total_q,
+                    "cu_seqlens_q must end at most at total_q=", total_q,
+                    " (q's first dim), got ", row_value(cu_seqlens_q, n));
   rows.q_start.resize(static_cast<size_t>(n + 1));
   rows.context_lens.resize(static_cast<size_t>(n));
   rows.q_start[0] = 0;
@@ -350,7 +354,10 @@ at::Tensor paged_attend(const at::Tensor& q, const at::Tensor& key_pages,
                                                context_lens, cu_seqlens_q, scale, window,
                                                softcap, key_scales, value_scales, sink_logits,
                                                true);
-  at::Tensor out = at::empty(q.sizes(), q.options());
+  // On CUDA the end of the queries (cu_seqlens_q[num_seqs]) is not known on
+  // the host: padding rows stay as allocated, so allocate zeros there.
+  at::Tensor out = q.device().is_cpu() ? at::empty(q.sizes(), q.options())
+                                       : at::zeros(q.sizes(), q.options());
   detail::AttendParams p;
   p.dtype = q.scalar_type() == at::kFloat      ? detail::AttnDtype::kFloat32
             : q.scalar_type() == at::kBFloat16 ? detail::AttnDtype::kBFloat16
@@ -416,6 +423,9 @@ at::Tensor paged_attend(const at::Tensor& q, const at::Tensor& key_pages,
   }
   if (out.numel() > 0 && p.seq > 0) {
     detail::paged_attend_stub.get(q.device().type(), "paged_attend")(p);
+  }
+  if (!rows.q_start.empty() && rows.q_start.back() < q.size(0)) {
+    out.narrow(0, rows.q_start.back(), q.size(0) - rows.q_start.back()).zero_();
   }
   return out;
 }

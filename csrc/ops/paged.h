@@ -26,9 +26,13 @@
 // (flash's causal alignment): query i sits at position context_lens[s] -
 // q_len + i and sees positions (pos - window, pos] (window 0: [0, pos]).
 // Prefill, decode and mixed batches are one call. Returns (total_q,
-// num_heads, head_dim) in q's dtype. Only the pages of visible positions are
-// read: their table entries must be in [0, num_blocks); entries of other
-// blocks (past the context, or freed out of a sliding window) may be -1.
+// num_heads, head_dim) in q's dtype. q may end with padding: rows
+// [cu_seqlens_q[num_seqs], total_q) belong to no sequence and are returned as
+// 0 (a batch padded to a fixed size for a compiled or CUDA-graph step, as
+// transformers' continuous batching pads its steps then). Only the pages
+// of visible positions are read: their table entries must be in [0,
+// num_blocks); entries of other blocks (past the context, or freed out of a
+// sliding window) may be -1.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -92,7 +92,10 @@ def attend_pages(
     its last tokens: query ``i`` sits at position ``context_lens[s] - q_len + i`` and attends
     causally (with ``window``, to the last ``window`` positions up to itself). Prefill, decode and
     mixed batches are one call; only the pages of visible positions are read (entries of other
-    blocks, past the context or freed out of a window, may be -1).
+    blocks, past the context or freed out of a window, may be -1). ``q`` may end with padding
+    (rows ``cu_seqlens_q[-1]:``, no sequence's: a batch padded to a fixed size for a compiled or
+    CUDA-graph step, as transformers' continuous batching pads its steps then): those rows come
+    out 0.
 
     Args:
         q: ``(total_q, num_heads, head_dim)`` float32, bfloat16 or float16 (the pages' dtype for
@@ -112,7 +115,7 @@ def attend_pages(
 
     Raises:
         ValueError: Shapes or devices that do not fit; ``scale`` / ``softcap`` out of range; on
-            CPU, ``cu_seqlens_q`` not starting at 0, decreasing or not ending at ``total_q``,
+            CPU, ``cu_seqlens_q`` not starting at 0, decreasing or ending beyond ``total_q``,
             ``context_lens`` below a sequence's query count or beyond its table, a page a query
             sees outside ``[0, num_blocks)`` (all before anything is read).
         TypeError: Dtypes that do not fit.

@@ -1171,7 +1171,7 @@ def test_paged_attend_bad_metadata_gives_nan_and_reads_nothing(layout, bad):
         if cu[1] == cu[2]:
             cu[1] += 1
     elif bad == "cu-end":
-        cu[-1] -= 1
+        cu[-1] += 1  # past total_q (ending before it is a padded batch)
     else:
         cu[0] = 1
     with pytest.raises(ValueError):
@@ -1192,16 +1192,42 @@ def test_paged_attend_bad_metadata_gives_nan_and_reads_nothing(layout, bad):
     torch.testing.assert_close(out[good].double(), ref[good], atol=2e-5, rtol=2e-5)
 
 
-def test_paged_attend_no_sequences_gives_nan():
-    """num_seqs = 0 with queries (cu_seqlens_q = [0] cannot end at total_q): NaN, no sync."""
+@pytest.mark.parametrize("start", [0, 1])
+def test_paged_attend_no_sequences(start):
+    """num_seqs = 0 with queries: cu_seqlens_q = [0] makes every row padding (0, as on the CPU);
+    [1] is a bad batch (the CPU's ValueError) and every row NaN. No host sync."""
     q = rand((3, 4, 16), torch.float32)
     kp = rand((2, 4, 2, 16), torch.float32, 1)
     table = torch.zeros((0, 2), dtype=torch.int32, device=DEV)
     lens = torch.zeros(0, dtype=torch.int32, device=DEV)
-    cu = torch.zeros(1, dtype=torch.int32, device=DEV)
+    cu = torch.full((1,), start, dtype=torch.int32, device=DEV)
     with no_sync():
         out = ops.paged_attend(q, kp, kp.clone(), table, lens, cu)
-    assert bool(out.isnan().all())
+    if start == 0:
+        assert bool((out == 0).all())
+        cpu = ops.paged_attend(q.cpu(), kp.cpu(), kp.cpu(), table.cpu(), lens.cpu(), cu.cpu())
+        assert bool((cpu == 0).all())
+    else:
+        assert bool(out.isnan().all())
+
+
+@pytest.mark.parametrize("layout", ["decode", "prefill"])
+def test_paged_attend_padded_batch_as_the_cpu(layout):
+    """q padded past cu_seqlens_q[-1] (transformers' compiled / CUDA-graph steps): the padding rows
+    are 0 on both devices, with one split and with split rows (decode over long contexts), the
+    others as the float64 reference."""
+    ctx, qlens = [3000, 90, 500, 0], ([1, 1, 1, 0] if layout == "decode" else [20, 1, 30, 0])
+    q, kp, vp, table, lens, cu = make_case(ctx, qlens, heads=8, kv_heads=2, dim=64, block_size=16,
+                                           seed=5)
+    q = q / 4
+    qp = torch.cat([q, torch.full((7, *q.shape[1:]), 1e30)])
+    ref = paged_reference(q, kp.double(), vp.double(), table, lens, cu)
+    with no_sync():
+        out = ops.paged_attend(qp.to(DEV), *on_dev(kp, vp, table, lens, cu)).cpu()
+    cpu = ops.paged_attend(qp, kp, vp, table, lens, cu)
+    n = q.shape[0]
+    assert bool((out[n:] == 0).all()) and bool((cpu[n:] == 0).all())
+    torch.testing.assert_close(out[:n].double(), ref, atol=2e-5, rtol=2e-5)
 
 
 # ----------------------------------------------------------------- misc

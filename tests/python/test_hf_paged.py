@@ -147,6 +147,27 @@ def test_llama_generate_batch_matches_greedy_and_paged_sdpa(monkeypatch):
     assert ours == _generate_batch(model, "sdpa", prompts, 12)  # paged sdpa (index-based cache)
 
 
+def test_compiled_steps_padded_batches(monkeypatch):
+    """generate_batch with compile configs pads each step's queries to a fixed size (zero-length
+    sequences after the real ones, trash write indices): paged|kvcache reads the padded batch and
+    gives the tokens of per-request greedy generate (Dynamo's eager backend: the padding, not
+    Inductor, is what this checks)."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    model = _llama()
+    prompts = _prompts((5, 17, 9, 30))
+    counts = _Counts(monkeypatch)
+    cc = CompileConfig(backend="eager", fullgraph=False, dynamic=False)
+    model.set_attn_implementation("kvcache")
+    cfg = ContinuousBatchingConfig(page_size=PAGE, num_blocks=64, max_batch_tokens=32,
+                                   varlen_compile_config=cc, decode_compile_config=cc)
+    out = model.generate_batch(prompts, generation_config=_gen_config(10), continuous_batching_config=cfg,
+                               progress_bar=False)
+    ours = [out[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+    assert counts.attend > 0
+    assert ours == _greedy(model, "sdpa", prompts, 10)
+
+
 @needs_in_place
 def test_llama_no_gather(monkeypatch):
     """No context is read back through transformers' cache: its update is never called, and each

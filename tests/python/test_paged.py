@@ -92,6 +92,27 @@ def test_attend_mixed_batch(dtype, block_size):
     torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("pad", [1, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attend_padded_batch(dtype, pad):
+    """q padded past the last sequence's queries (transformers' compiled / CUDA-graph steps, with
+    zero-length sequences after the real ones): the padding rows come out 0, the others as the
+    unpadded call gives them, against the float64 reference."""
+    ctx, qlens = [37, 1, 20, 0, 0], [5, 1, 1, 0, 0]
+    q, kp, vp, table, lens, cu = make_case(ctx, qlens, dtype=dtype)
+    g = torch.Generator().manual_seed(7)
+    qp = torch.cat([q, torch.randn(pad, *q.shape[1:], generator=g).to(dtype) * 1e30])
+    out = attend_pages(qp, kp, vp, table, lens, cu, window=9)
+    assert out.shape == qp.shape
+    assert bool((out[q.shape[0]:] == 0).all())
+    ref = reference(q, kp, vp, table, lens, cu, window=9)
+    torch.testing.assert_close(out[: q.shape[0]].double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    # Only padding: no sequence has a query.
+    empty = torch.zeros(3, dtype=torch.int32)
+    out = attend_pages(qp[:4], kp, vp, table[:2], lens[:2] * 0, empty)
+    assert bool((out == 0).all())
+
+
 @pytest.mark.parametrize("opts", [dict(window=5), dict(softcap=3.0), dict(scale=0.3, window=70),
                                   dict(sink_logits=True), dict(softcap=2.0, window=17, sink_logits=True)])
 def test_attend_options(opts):
@@ -344,7 +365,7 @@ def attend_args(**over):
     ("length beyond table", "len", ValueError, r"context_lens must be <= max_blocks \* block_size = \d+"),
     ("cu decreasing", "cu_dec", ValueError, r"cu_seqlens_q must not decrease, got 4 then 3 at index 2"),
     ("cu start", "cu_start", ValueError, r"cu_seqlens_q must start at 0, got 1"),
-    ("cu end", "cu_end", ValueError, r"cu_seqlens_q must end at total_q=3"),
+    ("cu end", "cu_end", ValueError, r"cu_seqlens_q must end at most at total_q=3 \(q's first dim\), got 4"),
     ("fewer ctx than q", "ctx_small", ValueError, r"context_lens must be >= the sequence's queries \(2"),
     ("table dtype", "table64", TypeError, r"block_table must have dtype torch.int32|block_table .*torch.int32"),
     ("q dtype", "qbf16", TypeError, r"q is torch.bfloat16 but key_pages are torch.float32"),
@@ -365,7 +386,7 @@ def test_attend_errors(name, over, exc, match):
     elif over == "cu_start":
         a["cu_seqlens_q"] = torch.tensor([1, 2, 3], dtype=torch.int32)
     elif over == "cu_end":
-        a["cu_seqlens_q"] = torch.tensor([0, 2, 2], dtype=torch.int32)
+        a["cu_seqlens_q"] = torch.tensor([0, 2, 4], dtype=torch.int32)
     elif over == "ctx_small":
         a["context_lens"] = torch.tensor([1, 6], dtype=torch.int32)
     elif over == "table64":

@@ -424,7 +424,9 @@ KVCACHE_API void paged_write_(at::Tensor& key_pages, at::Tensor& value_pages,
 /// holds context_lens[s] tokens (this step's included), position j at slot
 /// j % block_size of page block_table[s, j / block_size] (int32 (num_seqs,
 /// max_blocks), -1 padded). Its queries are its last tokens. Returns (total_q,
-/// num_heads, head_dim) in q's dtype. Throws c10::ValueError for bad
+/// num_heads, head_dim) in q's dtype; q may end with padding (rows from
+/// cu_seqlens_q[num_seqs] on, a batch padded to a fixed size), returned as 0.
+/// Throws c10::ValueError for bad
 /// metadata (a visible page outside the pool, context_lens beyond the table,
 /// cu_seqlens_q not increasing) before anything is read (on CPU; on CUDA the
 /// metadata stays on the device and a bad sequence's rows are NaN).
