@@ -56,14 +56,17 @@ at::Tensor update_(at::Tensor& keys, at::Tensor& values,
                    const at::Tensor& keys_new, const at::Tensor& values_new,
                    const at::Tensor& start,
                    const std::optional<at::Tensor>& k_scale,
-                   const std::optional<at::Tensor>& v_scale) {
+                   const std::optional<at::Tensor>& v_scale,
+                   const std::optional<at::Tensor>& positions, int64_t sinks) {
   static const auto op =
       typed_op<at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor&,
                        const at::Tensor&, const at::Tensor&,
                        const std::optional<at::Tensor>&,
-                       const std::optional<at::Tensor>&)>("kvcache::update_",
-                                                          "Tensor");
-  return op.call(keys, values, keys_new, values_new, start, k_scale, v_scale);
+                       const std::optional<at::Tensor>&,
+                       const std::optional<at::Tensor>&, int64_t)>(
+          "kvcache::update_", "Tensor");
+  return op.call(keys, values, keys_new, values_new, start, k_scale, v_scale,
+                 positions, sinks);
 }
 
 void append_(at::Tensor& keys, at::Tensor& values, at::Tensor& lengths,
@@ -254,21 +257,6 @@ std::vector<KVLayerCache> init_decoder_kv_caches(
   return caches;
 }
 
-at::Tensor ring_update_(at::Tensor& keys, at::Tensor& values,
-                        at::Tensor& positions, const at::Tensor& keys_new,
-                        const at::Tensor& values_new, const at::Tensor& start,
-                        int64_t sinks, const std::optional<at::Tensor>& k_scale,
-                        const std::optional<at::Tensor>& v_scale) {
-  static const auto op =
-      typed_op<at::Tensor(at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
-                       const at::Tensor&, const at::Tensor&, int64_t,
-                       const std::optional<at::Tensor>&,
-                       const std::optional<at::Tensor>&)>(
-          "kvcache::ring_update_", "");
-  return op.call(keys, values, positions, keys_new, values_new, start, sinks,
-                 k_scale, v_scale);
-}
-
 RingLayerCache init_ring_layer_cache(int64_t batch_size, int64_t num_kv_heads,
                                      int64_t head_dim, int64_t window,
                                      at::ScalarType dtype, c10::Device device,
@@ -322,16 +310,16 @@ RingKV write_ring_layer_cache(const RingLayerCache& cache,
     // the ring: attend over the ring's slots from before the write (stale
     // positions >= start masked as empty) plus the chunk. A quantized ring's
     // chunk is quantized for that view by update_ with scales (the
-    // quantizer of ring_update_'s quantized write: exactly the bytes and
+    // quantizer of the ring's quantized write: exactly the bytes and
     // scales the ring keeps; its checks name bad new data before the ring
     // is touched).
     // The write's own checks first, by an empty write of the same rows,
     // heads and head_dim (nothing is written): new data that does not fit
     // the ring raises its ValueError / TypeError naming keys_new, not
     // at::cat's error below.
-    ring_update_(c.keys, c.values, c.positions, keys_new.narrow(2, 0, 0),
-                 values_new.dim() == 4 ? values_new.narrow(2, 0, 0) : values_new, c.length,
-                 c.sinks, scale_arg(c.k_scale), scale_arg(c.v_scale));
+    update_(c.keys, c.values, keys_new.narrow(2, 0, 0),
+            values_new.dim() == 4 ? values_new.narrow(2, 0, 0) : values_new, c.length,
+            scale_arg(c.k_scale), scale_arg(c.v_scale), c.positions, c.sinks);
     at::Tensor kq = keys_new, vq = values_new, ks, vs;
     if (c.quantized()) {
       TORCH_CHECK_VALUE(keys_new.dim() == 4,
@@ -361,8 +349,8 @@ RingKV write_ring_layer_cache(const RingLayerCache& cache,
   // One operator call: a quantized ring's data, scales and positions are
   // quantized and placed together.
   at::Tensor length =
-      ring_update_(c.keys, c.values, c.positions, keys_new, values_new,
-                   c.length, c.sinks, scale_arg(c.k_scale), scale_arg(c.v_scale));
+      update_(c.keys, c.values, keys_new, values_new, c.length,
+              scale_arg(c.k_scale), scale_arg(c.v_scale), c.positions, c.sinks);
   c.length.copy_(length);
   kv.length = c.length;
   return kv;
@@ -413,9 +401,9 @@ void select_rows_ring_layer_cache(const RingLayerCache& cache, const at::Tensor&
     const at::Tensor empty =
         at::empty({c.keys.size(0), c.keys.size(1), 0, c.keys.size(3)},
                   c.keys.options().dtype(quantized ? at::kFloat : c.keys.scalar_type()));
-    ring_update_(c.keys, c.values, c.positions, empty, empty,
-                 at::zeros({}, c.keys.options().dtype(at::kInt)), c.sinks, scale_arg(c.k_scale),
-                 scale_arg(c.v_scale));
+    update_(c.keys, c.values, empty, empty,
+            at::zeros({}, c.keys.options().dtype(at::kInt)), scale_arg(c.k_scale),
+            scale_arg(c.v_scale), c.positions, c.sinks);
   }
   const int64_t batch = cache.keys.size(0);
   // Every slot moves: select_rows_ over lengths of the whole capacity, the

@@ -75,7 +75,7 @@ export PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH}
 note "== built in $(elapsed): $("$PY" -c 'import kvcache; print(kvcache.build_info())' 2>&1 | tail -1)"
 
 # ---------------------------------------------------------------- tests
-note "== tests/python/test_cuda.py"
+note "== tests/python/test_cuda.py, test_row_op_mistakes.py (its CUDA case)"
 # Several workers when pytest-xdist is there: the compile and opcheck tests are
 # CPU-bound. SIGINT at the limit: pytest still prints its summary and XML.
 par=()
@@ -83,7 +83,8 @@ par=()
 per_test=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=150)
 PYTHONUNBUFFERED=1 timeout -s INT -k 15 250 "$PY" -m pytest -q -p no:cacheprovider -rfE --durations=10 \
-  "${par[@]}" "${per_test[@]}" --junitxml="$OUT/test_cuda.xml" tests/python/test_cuda.py >"$OUT/test_cuda.log" 2>&1
+  "${par[@]}" "${per_test[@]}" --junitxml="$OUT/test_cuda.xml" tests/python/test_cuda.py \
+  tests/python/test_row_op_mistakes.py >"$OUT/test_cuda.log" 2>&1
 rc=$?
 note "== tests: exit $rc after $(elapsed): $(grep -E '^(FAILED|ERROR)|[0-9]+ (passed|failed)' "$OUT/test_cuda.log" | tail -1)"
 grep -E "^(FAILED|ERROR)" "$OUT/test_cuda.log" | head -40 >>"$SUMMARY"

@@ -20,13 +20,15 @@
 //           the new operator, whose kernels, guards and fake kernel serve
 //           it; no fake kernel, stub or guard of its own)
 //   stub    the DeviceStub holding its CPU and CUDA work (NoStub: none;
-//           update_stubs / ring_update_stubs: a write's plain and quantized
-//           stubs)
+//           update_stubs / device_start_stubs: a write's plain and
+//           quantized stubs, and the ring's for update_.Tensor)
 //   schema  the schema after "kvcache::"
 //
-// Writes take their format from the cache's dtype and optional scales, one
-// schema per kind of position (host start, device start, lengths, ring
-// start, slot mapping), not one per format. The scales are named as the
+// Writes take their format from the cache's dtype and optional scales and
+// their layout from their arguments (positions: a ring; pages and a slot
+// mapping), one schema per kind of position (host start, device start,
+// lengths, slot mapping; append_returning_ is append_'s functional form),
+// not one per format or layout. The scales are named as the
 // Python and C++ APIs name a cache's fields and as attend (which reads the
 // same tensors) names them: k_scale / v_scale for a contiguous cache or a
 // ring; the paged operators keep vLLM's key_scales / value_scales.
@@ -50,6 +52,17 @@
 //       are quantized per (row, KV head, slot) and their float32 scales
 //       written into k_scale / v_scale (batch, num_kv_heads, max_len);
 //       without them keys_new has the cache's dtype and is copied as is.
+//       update_.Tensor with positions (keyword-only, the (batch, capacity)
+//       int32 record of a ring: keys / values (batch, num_kv_heads,
+//       capacity, head_dim)) is a ring's write: keys_new / values_new go to
+//       the logical positions [start_b, start_b + chunk), recorded in
+//       positions, in one pass; position p goes to slot p if p < sinks,
+//       else sinks + (p - sinks) mod (capacity - sinks); only what the ring
+//       keeps is written (the sinks and the last capacity - sinks
+//       positions). The start's bound is the int32 range, not the capacity;
+//       on CUDA a bad start writes nothing and returns -1. Scales as above,
+//       (batch, num_kv_heads, capacity), written at the same slots in the
+//       same pass. sinks without positions is a ValueError.
 //   append_  update_.Tensor at start = lengths, lengths advanced by chunk in
 //       place: one call per layer per step on a caller-owned length tensor.
 //       The same optional scales.
@@ -91,23 +104,9 @@
 //       Python API calls it before an op whose new lengths it copies into
 //       cache.length, so the copy cannot fail after the op ran, eagerly and
 //       traced alike.
-//   ring_update_  writes keys_new / values_new into a ring (keys / values
-//       (batch, num_kv_heads, capacity, head_dim)) at the logical positions
-//       [start_b, start_b + chunk), and records them in positions, in one
-//       pass: position p goes to slot p if p < sinks, else sinks + (p -
-//       sinks) mod (capacity - sinks); only what the ring keeps is written
-//       (the sinks and the last capacity - sinks positions). start: int32/
-//       int64, 0-D or (batch,), read on the device. Returns start + chunk
-//       (int32); on CUDA a bad start writes nothing and returns -1. With
-//       k_scale / v_scale (keyword-only, float32 (batch, num_kv_heads,
-//       capacity)) the ring is quantized (int8 or float8_e4m3fn keys /
-//       values): keys_new / values_new (float32, bfloat16 or float16) are
-//       quantized per (row, KV head, position) as update_ does and written
-//       with their scales at the same slots, positions recorded, in one pass
-//       (one CUDA launch after the start check).
-//   ring_update_quantized_  the deprecated alias (kind Alias, kept for one
-//       release) of ring_update_ with k_scale and v_scale given
-//       (positionally, after values).
+//   ring_update_ / ring_update_quantized_  the deprecated aliases (kind
+//       Alias, kept for one release) of update_.Tensor with positions (and
+//       k_scale / v_scale).
 //
 //   paged_write_ / paged_attend  pages (num_blocks, block_size,
 //       num_kv_heads, head_dim) for many sequences (continuous batching),
@@ -134,10 +133,11 @@
     "update_(Tensor(a!) keys, Tensor(b!) values, Tensor keys_new, "           \
     "Tensor values_new, SymInt start, *, Tensor(c!)? k_scale=None, "          \
     "Tensor(d!)? v_scale=None) -> Tensor")                                    \
-  X(update_tensor_, "update_.Tensor", Write, update_stubs,                    \
+  X(update_tensor_, "update_.Tensor", Write, device_start_stubs,             \
     "update_.Tensor(Tensor(a!) keys, Tensor(b!) values, Tensor keys_new, "    \
     "Tensor values_new, Tensor start, *, Tensor(c!)? k_scale=None, "          \
-    "Tensor(d!)? v_scale=None) -> Tensor")                                    \
+    "Tensor(d!)? v_scale=None, Tensor(e!)? positions=None, int sinks=0) "     \
+    "-> Tensor")                                                              \
   X(append_, "append_", Write, update_stubs,                                  \
     "append_(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) lengths, "        \
     "Tensor keys_new, Tensor values_new, *, Tensor(d!)? k_scale=None, "       \
@@ -173,7 +173,7 @@
     "reset_rows(Tensor lengths, Tensor rows) -> Tensor")                      \
   X(check_lengths_writable, "check_lengths_writable", Read, NoStub,           \
     "check_lengths_writable(Tensor lengths) -> ()")                          \
-  X(ring_update_, "ring_update_", Write, ring_update_stubs,                   \
+  X(ring_update_, "ring_update_", Alias, NoStub,                              \
     "ring_update_(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) positions, " \
     "Tensor keys_new, Tensor values_new, Tensor start, *, int sinks=0, "      \
     "Tensor(d!)? k_scale=None, Tensor(e!)? v_scale=None) -> Tensor")          \

@@ -88,26 +88,62 @@ std::vector<int64_t> check_ring_update(
   return starts;
 }
 
-}  // namespace detail
+void check_no_sinks(int64_t sinks) {
+  TORCH_CHECK_VALUE(sinks == 0, "sinks apply to a ring (positions given): a write without "
+                    "positions takes sinks=0, got sinks=", sinks);
+}
 
-namespace ops {
+std::vector<int64_t> check_device_start_write(
+    const at::Tensor& keys, const at::Tensor& values,
+    const at::Tensor& keys_new, const at::Tensor& values_new,
+    const at::Tensor& start, bool values_known,
+    const std::optional<at::Tensor>& k_scale,
+    const std::optional<at::Tensor>& v_scale,
+    const std::optional<at::Tensor>& positions, int64_t sinks) {
+  if (positions.has_value()) {
+    return check_ring_update(keys, values, *positions, keys_new, values_new,
+                             start, sinks, values_known, k_scale, v_scale);
+  }
+  check_no_sinks(sinks);
+  return check_update_tensor(keys, values, keys_new, values_new, start,
+                             values_known, k_scale, v_scale);
+}
+
+at::Tensor call_device_start_write(at::Tensor& keys, at::Tensor& values,
+                                   const at::Tensor& keys_new,
+                                   const at::Tensor& values_new,
+                                   const at::Tensor& start,
+                                   const std::optional<at::Tensor>& k_scale,
+                                   const std::optional<at::Tensor>& v_scale,
+                                   const std::optional<at::Tensor>& positions,
+                                   int64_t sinks) {
+  static const auto op =
+      typed_op<at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, const at::Tensor&,
+                          const std::optional<at::Tensor>&,
+                          const std::optional<at::Tensor>&,
+                          const std::optional<at::Tensor>&, int64_t)>(
+          "kvcache::update_", "Tensor");
+  return op.call(keys, values, keys_new, values_new, start, k_scale, v_scale,
+                 positions, sinks);
+}
 
 namespace {
 
 // The parameters shared by both ring writes; `length` receives start + chunk.
-detail::RingUpdateParams ring_params(at::Tensor& keys, at::Tensor& values,
-                                     at::Tensor& positions,
-                                     const at::Tensor& keys_new,
-                                     const at::Tensor& values_new,
-                                     const at::Tensor& start, int64_t sinks,
-                                     const std::vector<int64_t>& starts,
-                                     const at::Tensor& length) {
-  detail::RingUpdateParams p;
-  p.dst[0] = detail::dst_rows(keys);
-  p.dst[1] = detail::dst_rows(values);
-  p.src[0] = detail::src_rows(keys_new);
-  p.src[1] = detail::src_rows(values_new);
-  p.positions = positions.mutable_data_ptr<int32_t>();
+RingUpdateParams ring_params(at::Tensor& keys, at::Tensor& values,
+                             const at::Tensor& positions,
+                             const at::Tensor& keys_new,
+                             const at::Tensor& values_new,
+                             const at::Tensor& start, int64_t sinks,
+                             const std::vector<int64_t>& starts,
+                             const at::Tensor& length) {
+  RingUpdateParams p;
+  p.dst[0] = dst_rows(keys);
+  p.dst[1] = dst_rows(values);
+  p.src[0] = src_rows(keys_new);
+  p.src[1] = src_rows(values_new);
+  p.positions = positions.mutable_data_ptr<int32_t>();  // the schema's (e!)
   p.pos_stride[0] = positions.stride(0);
   p.pos_stride[1] = positions.stride(1);
   p.batch = keys.size(0);
@@ -117,36 +153,51 @@ detail::RingUpdateParams ring_params(at::Tensor& keys, at::Tensor& values,
   p.chunk = keys_new.size(2);
   p.sinks = sinks;
   p.elem = static_cast<int64_t>(keys.element_size());
-  p.starts = detail::int_rows(start);
+  p.starts = int_rows(start);
   p.host_starts = starts.empty() ? nullptr : starts.data();
-  p.lengths_out = detail::int_rows(length);
+  p.lengths_out = int_rows(length);
   p.device_index = keys.device().index();
   return p;
 }
 
 }  // namespace
 
+at::Tensor ring_write(at::Tensor& keys, at::Tensor& values,
+                      const at::Tensor& positions, const at::Tensor& keys_new,
+                      const at::Tensor& values_new, const at::Tensor& start,
+                      int64_t sinks, const std::optional<at::Tensor>& k_scale,
+                      const std::optional<at::Tensor>& v_scale) {
+  const auto starts = check_ring_update(keys, values, positions, keys_new,
+                                        values_new, start, sinks, true, k_scale,
+                                        v_scale);
+  at::Tensor length = at::empty(start.sizes(), keys.options().dtype(at::kInt));
+  const auto p = ring_params(keys, values, positions, keys_new, values_new,
+                             start, sinks, starts, length);
+  if (!k_scale.has_value()) {
+    ring_update_stub.get(keys.device().type(), "update_.Tensor (a ring)")(p);
+    return length;
+  }
+  RingQuantUpdateParams q;
+  q.ring = p;
+  q.ring.elem = static_cast<int64_t>(keys_new.element_size());  // source elements
+  fill_quant_fields(q, keys, keys_new, *k_scale, *v_scale);
+  ring_update_quantized_stub.get(keys.device().type(), "update_.Tensor (a ring)")(q);
+  return length;
+}
+
+}  // namespace detail
+
+namespace ops {
+
 at::Tensor ring_update_(at::Tensor& keys, at::Tensor& values,
                         at::Tensor& positions, const at::Tensor& keys_new,
                         const at::Tensor& values_new, const at::Tensor& start,
                         int64_t sinks, const std::optional<at::Tensor>& k_scale,
                         const std::optional<at::Tensor>& v_scale) {
-  const auto starts =
-      detail::check_ring_update(keys, values, positions, keys_new, values_new,
-                                start, sinks, true, k_scale, v_scale);
-  at::Tensor length = at::empty(start.sizes(), keys.options().dtype(at::kInt));
-  const auto p = ring_params(keys, values, positions, keys_new, values_new,
-                             start, sinks, starts, length);
-  if (!k_scale.has_value()) {
-    detail::ring_update_stub.get(keys.device().type(), "ring_update_")(p);
-    return length;
-  }
-  detail::RingQuantUpdateParams q;
-  q.ring = p;
-  q.ring.elem = static_cast<int64_t>(keys_new.element_size());  // source elements
-  detail::fill_quant_fields(q, keys, keys_new, *k_scale, *v_scale);
-  detail::ring_update_quantized_stub.get(keys.device().type(), "ring_update_")(q);
-  return length;
+  // Through the dispatcher: tracing decomposes the alias into update_.Tensor.
+  return detail::call_device_start_write(keys, values, keys_new, values_new,
+                                         start, k_scale, v_scale, positions,
+                                         sinks);
 }
 
 at::Tensor ring_update_quantized_(at::Tensor& keys, at::Tensor& values,
@@ -155,14 +206,10 @@ at::Tensor ring_update_quantized_(at::Tensor& keys, at::Tensor& values,
                                   const at::Tensor& keys_new,
                                   const at::Tensor& values_new,
                                   const at::Tensor& start, int64_t sinks) {
-  // Through the dispatcher: tracing decomposes the alias into ring_update_.
-  static const auto op =
-      detail::typed_op<at::Tensor(at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
-                                  const at::Tensor&, const at::Tensor&, int64_t,
-                                  const std::optional<at::Tensor>&,
-                                  const std::optional<at::Tensor>&)>("kvcache::ring_update_", "");
-  return op.call(keys, values, positions, keys_new, values_new, start, sinks,
-                 k_scale, v_scale);
+  // Through the dispatcher: tracing decomposes the alias into update_.Tensor.
+  return detail::call_device_start_write(keys, values, keys_new, values_new,
+                                         start, k_scale, v_scale, positions,
+                                         sinks);
 }
 
 }  // namespace ops

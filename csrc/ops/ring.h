@@ -4,10 +4,11 @@
 // capacity) int32, -1: empty). See csrc/core/visibility.h for the slot of a
 // position and what a query sees.
 //
-// ring_update_ writes keys_new / values_new (batch, heads, chunk, head_dim)
-// at the logical positions [start_b, start_b + chunk) of each row, and the
-// positions of the slots it writes, in one pass (one CUDA launch after the
-// start check), and returns start + chunk. A chunk longer than the ring
+// update_.Tensor with positions (the ring's write; ring_write below) writes
+// keys_new / values_new (batch, heads, chunk, head_dim) at the logical
+// positions [start_b, start_b + chunk) of each row, and the positions of
+// the slots it writes, in one pass (one CUDA launch after the start check),
+// and returns start + chunk. A chunk longer than the ring
 // writes only what the ring keeps (ring_keeps), so each slot is written at
 // most once. attend reads a ring with its `positions` argument.
 //
@@ -21,9 +22,9 @@
 // start check) instead of a staging buffer and two ring copies. The format
 // comes from the cache's dtype and the scales, as for update_.
 //
-// ring_update_quantized_ is a deprecated alias (kept for one release) of
-// ring_update_ with the scales given: a CompositeImplicitAutograd kernel
-// that calls ring_update_ through the dispatcher.
+// ring_update_ and ring_update_quantized_ are deprecated aliases (kept for
+// one release) of update_.Tensor with positions (and the scales):
+// CompositeImplicitAutograd kernels that call it through the dispatcher.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -95,7 +96,48 @@ KVCACHE_API std::vector<int64_t> check_ring_update(
     bool values_known, const std::optional<at::Tensor>& k_scale = std::nullopt,
     const std::optional<at::Tensor>& v_scale = std::nullopt);
 
-// The checks with the schema's arguments, as the fake kernel runs them.
+// sinks apply to a ring only: a linear write (no positions) refuses others.
+KVCACHE_API void check_no_sinks(int64_t sinks);
+
+// update_.Tensor's checks: a ring's (positions given) or a linear cache's.
+// Returns the checked starts when they can be read here (CPU, eager).
+KVCACHE_API std::vector<int64_t> check_device_start_write(
+    const at::Tensor& keys, const at::Tensor& values,
+    const at::Tensor& keys_new, const at::Tensor& values_new,
+    const at::Tensor& start, bool values_known,
+    const std::optional<at::Tensor>& k_scale,
+    const std::optional<at::Tensor>& v_scale,
+    const std::optional<at::Tensor>& positions, int64_t sinks);
+
+// The checked ring write (update_.Tensor with positions): returns start +
+// chunk (int32, the start's shape).
+at::Tensor ring_write(at::Tensor& keys, at::Tensor& values,
+                      const at::Tensor& positions, const at::Tensor& keys_new,
+                      const at::Tensor& values_new, const at::Tensor& start,
+                      int64_t sinks, const std::optional<at::Tensor>& k_scale,
+                      const std::optional<at::Tensor>& v_scale);
+
+// update_.Tensor called through the dispatcher (for the deprecated aliases,
+// whose kernels must decompose into it under tracing).
+at::Tensor call_device_start_write(at::Tensor& keys, at::Tensor& values,
+                                   const at::Tensor& keys_new,
+                                   const at::Tensor& values_new,
+                                   const at::Tensor& start,
+                                   const std::optional<at::Tensor>& k_scale,
+                                   const std::optional<at::Tensor>& v_scale,
+                                   const std::optional<at::Tensor>& positions,
+                                   int64_t sinks);
+
+// The checks with the schemas' arguments, as the fake kernels run them.
+inline void trace_check_update_tensor_(
+    const at::Tensor& keys, const at::Tensor& values, const at::Tensor& keys_new,
+    const at::Tensor& values_new, const at::Tensor& start,
+    const std::optional<at::Tensor>& k_scale,
+    const std::optional<at::Tensor>& v_scale,
+    const std::optional<at::Tensor>& positions, int64_t sinks) {
+  check_device_start_write(keys, values, keys_new, values_new, start, false,
+                           k_scale, v_scale, positions, sinks);
+}
 inline void trace_check_ring_update_(const at::Tensor& keys,
                                      const at::Tensor& values,
                                      const at::Tensor& positions,
@@ -118,12 +160,12 @@ inline void trace_check_ring_update_quantized_(
                     sinks, false, k_scale, v_scale);
 }
 
-// ring_update_'s stub column in operators.h: device work on a backend when
-// both formats have a kernel there.
-struct RingUpdateStubs {};
-inline constexpr RingUpdateStubs ring_update_stubs{};
-inline bool has_cuda_work(RingUpdateStubs) {
-  return ring_update_stub.cuda != nullptr &&
+// update_.Tensor's stub column in operators.h: device work on a backend
+// when both formats of both layouts (linear, ring) have a kernel there.
+struct DeviceStartStubs {};
+inline constexpr DeviceStartStubs device_start_stubs{};
+inline bool has_cuda_work(DeviceStartStubs) {
+  return has_cuda_work(update_stubs) && ring_update_stub.cuda != nullptr &&
          ring_update_quantized_stub.cuda != nullptr;
 }
 
@@ -131,14 +173,13 @@ inline bool has_cuda_work(RingUpdateStubs) {
 
 namespace ops {
 
+// The deprecated aliases (CompositeImplicitAutograd): update_.Tensor
+// through the dispatcher with positions (and the scales) given.
 at::Tensor ring_update_(at::Tensor& keys, at::Tensor& values,
                         at::Tensor& positions, const at::Tensor& keys_new,
                         const at::Tensor& values_new, const at::Tensor& start,
                         int64_t sinks, const std::optional<at::Tensor>& k_scale,
                         const std::optional<at::Tensor>& v_scale);
-
-// The deprecated alias (CompositeImplicitAutograd): ring_update_ through
-// the dispatcher with the scales given.
 at::Tensor ring_update_quantized_(at::Tensor& keys, at::Tensor& values,
                                   at::Tensor& k_scale, at::Tensor& v_scale,
                                   at::Tensor& positions,

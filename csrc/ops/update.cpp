@@ -11,6 +11,7 @@
 #include "../core/rules.h"
 #include "../core/tensor_params.h"
 #include "../core/typed_op.h"
+#include "ring.h"
 
 namespace kvcache {
 namespace detail {
@@ -446,7 +447,14 @@ at::Tensor update_tensor_(at::Tensor& keys, at::Tensor& values,
                           const at::Tensor& keys_new,
                           const at::Tensor& values_new, const at::Tensor& start,
                           const std::optional<at::Tensor>& k_scale,
-                          const std::optional<at::Tensor>& v_scale) {
+                          const std::optional<at::Tensor>& v_scale,
+                          const std::optional<at::Tensor>& positions,
+                          int64_t sinks) {
+  if (positions.has_value()) {
+    return detail::ring_write(keys, values, *positions, keys_new, values_new,
+                              start, sinks, k_scale, v_scale);
+  }
+  detail::check_no_sinks(sinks);
   const auto starts = detail::check_update_tensor(
       keys, values, keys_new, values_new, start, true, k_scale, v_scale);
   at::Tensor length = at::empty(start.sizes(), keys.options().dtype(at::kInt));
@@ -513,13 +521,9 @@ at::Tensor update_quantized_tensor_(at::Tensor& keys, at::Tensor& values,
                                     const at::Tensor& keys_new,
                                     const at::Tensor& values_new,
                                     const at::Tensor& start) {
-  static const auto op =
-      detail::typed_op<at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor&,
-                       const at::Tensor&, const at::Tensor&,
-                       const std::optional<at::Tensor>&,
-                       const std::optional<at::Tensor>&)>("kvcache::update_",
-                                                          "Tensor");
-  return op.call(keys, values, keys_new, values_new, start, k_scale, v_scale);
+  return detail::call_device_start_write(keys, values, keys_new, values_new,
+                                         start, k_scale, v_scale, std::nullopt,
+                                         0);
 }
 
 void append_quantized_(at::Tensor& keys, at::Tensor& values,

@@ -116,16 +116,7 @@ inline void trace_check_update_(const at::Tensor& keys, const at::Tensor& values
                                 const std::optional<at::Tensor>& v_scale) {
   check_update(keys, values, keys_new, values_new, start, k_scale, v_scale);
 }
-inline void trace_check_update_tensor_(const at::Tensor& keys,
-                                       const at::Tensor& values,
-                                       const at::Tensor& keys_new,
-                                       const at::Tensor& values_new,
-                                       const at::Tensor& start,
-                                       const std::optional<at::Tensor>& k_scale,
-                                       const std::optional<at::Tensor>& v_scale) {
-  check_update_tensor(keys, values, keys_new, values_new, start, false, k_scale,
-                      v_scale);
-}
+// (update_.Tensor's, which also takes a ring's positions: csrc/ops/ring.h.)
 inline void trace_check_append_returning_(
     const at::Tensor& keys, const at::Tensor& values, const at::Tensor& lengths,
     const at::Tensor& keys_new, const at::Tensor& values_new,
@@ -202,11 +193,14 @@ at::Tensor update_(at::Tensor& keys, at::Tensor& values,
                    const at::Tensor& keys_new, const at::Tensor& values_new,
                    int64_t start, const std::optional<at::Tensor>& k_scale,
                    const std::optional<at::Tensor>& v_scale);
+// update_.Tensor: with positions, the write of a ring (csrc/ops/ring.h).
 at::Tensor update_tensor_(at::Tensor& keys, at::Tensor& values,
                           const at::Tensor& keys_new,
                           const at::Tensor& values_new, const at::Tensor& start,
                           const std::optional<at::Tensor>& k_scale,
-                          const std::optional<at::Tensor>& v_scale);
+                          const std::optional<at::Tensor>& v_scale,
+                          const std::optional<at::Tensor>& positions,
+                          int64_t sinks);
 void append_(at::Tensor& keys, at::Tensor& values, at::Tensor& lengths,
              const at::Tensor& keys_new, const at::Tensor& values_new,
              const std::optional<at::Tensor>& k_scale,

@@ -10,7 +10,7 @@ lengths tensor) are checked by the kernels when the program runs.
 The operators come from the one list in ``csrc/ops/operators.h``
 (``kvcache._C.operators``): an operator there without an output rule here,
 or a rule here for no operator, fails the import. The deprecated aliases
-(kind ``Alias``: ``update_quantized_``, ``append_quantized_``, ...) get no
+(kind ``Alias``: ``update_quantized_``, ``append_quantized_``, ``ring_update_``, ...) get no
 fake kernel: their CompositeImplicitAutograd kernels decompose into the
 write they name, whose fake kernel runs (PyTorch refuses a fake kernel for
 an operator with a CompositeImplicitAutograd kernel).
@@ -36,7 +36,8 @@ def _update(keys, values, keys_new, values_new, start, *, k_scale=None, v_scale=
     return keys.new_empty((), dtype=torch.int32)
 
 
-def _update_tensor(keys, values, keys_new, values_new, start, *, k_scale=None, v_scale=None):
+def _update_tensor(keys, values, keys_new, values_new, start, *, k_scale=None, v_scale=None, positions=None,
+                   sinks=0):
     return keys.new_empty(start.shape, dtype=torch.int32)
 
 
@@ -61,10 +62,6 @@ def _none(*args, **kwargs):
     return None
 
 
-def _ring_update(keys, values, positions, keys_new, values_new, start, *, sinks=0, k_scale=None, v_scale=None):
-    return keys.new_empty(start.shape, dtype=torch.int32)
-
-
 # Outputs of each operator, by the id in csrc/ops/operators.h.
 _OUTPUTS = {
     "init_layer_cache": _init_layer_cache,
@@ -77,7 +74,6 @@ _OUTPUTS = {
     "append_returning_": lambda keys, values, lengths, keys_new, values_new, **scales: _new_lengths(lengths),
     "reset_rows": _new_lengths,
     "check_lengths_writable": _none,
-    "ring_update_": _ring_update,
     "paged_write_": _none,
     "paged_attend": lambda q, key_pages, value_pages, block_table, context_lens, cu_seqlens_q, **kw: q.new_empty(
         q.shape

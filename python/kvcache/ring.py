@@ -5,8 +5,9 @@ sliding-window layer in ``sinks + window + max_step - 1`` slots instead of
 ``max_len``: position ``p`` lives at slot ``p`` if ``p < sinks``, else at
 ``sinks + (p - sinks) % (capacity - sinks)``, and each slot records the
 logical position it holds (``positions``, ``-1``: empty), written by the same
-operator call as the keys and values (``torch.ops.kvcache.ring_update_``;
-a quantized ring's data, scales and positions by the same operator with
+operator call as the keys and values (``torch.ops.kvcache.update_.Tensor`` with
+``positions`` and ``sinks``, the write a linear cache takes with a device start;
+a quantized ring's data, scales and positions by the same call with
 ``k_scale`` / ``v_scale``).
 ``length`` is the logical length (the next position), so rollback stays
 length arithmetic, and the graph of a decode step is the same before and
@@ -38,7 +39,7 @@ import torch
 from .common import as_int, check_length_writable, kv_dtype_of
 
 _init_op = torch.ops.kvcache.init_layer_cache.default
-_ring_update_op = torch.ops.kvcache.ring_update_.default
+_write_op = torch.ops.kvcache.update_.Tensor
 _attend_op = torch.ops.kvcache.attend.default
 _update_op = torch.ops.kvcache.update_.default
 
@@ -206,7 +207,7 @@ def _quantize_chunk(cache: RingLayerCache, keys_new, values_new):
     # The chunk quantized into a chunk-sized buffer by update_ with scales,
     # for what a chunk longer than max_step attends over
     # (write_ring_layer_cache): the ring keeps only its last positions, the
-    # chunk's queries see them all. The same quantizer as ring_update_'s (per slot,
+    # chunk's queries see them all. The same quantizer as the ring write's (per slot,
     # deterministic), so these are exactly the bytes and scales the ring
     # stores for the positions it keeps. O(chunk), never O(capacity).
     if not isinstance(keys_new, torch.Tensor) or keys_new.dim() != 4:
@@ -225,21 +226,22 @@ def _quantize_chunk(cache: RingLayerCache, keys_new, values_new):
 def ring_write(cache: RingLayerCache, keys_new, values_new, start_t) -> torch.Tensor:
     """The ring's write of one chunk, one operator call; returns the new length.
 
-    A quantized ring's data, scales and positions are quantized and placed by the
-    same ``ring_update_`` (given the ring's ``k_scale`` / ``v_scale``; None for a
-    plain ring). The shared core of every ring write (:mod:`kvcache.rows`
-    runs it with an empty chunk to check a ring's tensors).
+    ``update_.Tensor`` with the ring's ``positions`` and ``sinks`` (the write of every layout
+    with a device start; ``positions`` makes it a ring's): a quantized ring's data, scales and
+    positions are quantized and placed by the same call (given the ring's ``k_scale`` /
+    ``v_scale``; None for a plain ring). The shared core of every ring write
+    (:mod:`kvcache.rows` runs it with an empty chunk to check a ring's tensors).
     """
-    return _ring_update_op(
+    return _write_op(
         cache.keys,
         cache.values,
-        cache.positions,
         keys_new,
         values_new,
         start_t,
-        sinks=cache.sinks,
         k_scale=cache.k_scale,
         v_scale=cache.v_scale,
+        positions=cache.positions,
+        sinks=cache.sinks,
     )
 
 
@@ -268,7 +270,7 @@ def update_ring_layer_cache(
 
     One operator call writes keys, values and the slots' positions in place
     (a quantized ring: quantizes them and writes their scales too, in the same
-    call, ``ring_update_`` with the ring's scales); a chunk longer than the ring writes
+    call, ``update_.Tensor`` with the ring's positions and scales); a chunk longer than the ring writes
     only what the ring keeps (the sinks and the last ``capacity - sinks``
     positions). To attend over a chunk longer than ``max_step``, use
     :func:`write_ring_layer_cache`.

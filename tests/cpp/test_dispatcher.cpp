@@ -31,7 +31,7 @@ TEST_CASE("schemas are registered with mutation annotations", "[dispatcher]") {
   REQUIRE(schema_of("kvcache::update_", "Tensor") ==
           "kvcache::update_.Tensor(Tensor(a!) keys, Tensor(b!) values, Tensor keys_new, "
           "Tensor values_new, Tensor start, *, Tensor(c!)? k_scale=None, "
-          "Tensor(d!)? v_scale=None) -> Tensor");
+          "Tensor(d!)? v_scale=None, Tensor(e!)? positions=None, int sinks=0) -> Tensor");
   REQUIRE(schema_of("kvcache::append_") ==
           "kvcache::append_(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) lengths, "
           "Tensor keys_new, Tensor values_new, *, Tensor(d!)? k_scale=None, "
@@ -129,13 +129,14 @@ TEST_CASE("a boxed call with bad arguments raises ValueError and writes nothing"
   auto keys = at::zeros({1, 2, 8, 4});
   auto values = at::zeros({1, 2, 8, 4});
   torch::jit::Stack stack{keys, values, at::randn({1, 2, 2, 4}), at::randn({1, 2, 2, 4}),
-                          at::tensor(7), c10::IValue(), c10::IValue()};
+                          at::tensor(7), c10::IValue(), c10::IValue(), c10::IValue(),
+                          c10::IValue(int64_t{0})};
   REQUIRE_THROWS_AS(op.callBoxed(&stack), c10::ValueError);
   REQUIRE(keys.count_nonzero().item<int64_t>() == 0);
   REQUIRE(values.count_nonzero().item<int64_t>() == 0);
 }
 
-TEST_CASE("the deprecated quantized writes are composite aliases of the new writes", "[dispatcher]") {
+TEST_CASE("the deprecated writes are composite aliases of the new writes", "[dispatcher]") {
   // An alias has one CompositeImplicitAutograd kernel and no backend kernel of its own: tracing and
   // the dispatcher decompose it into the write it names (its kernels, guards and fake kernel).
   std::vector<std::string> aliases;
@@ -144,7 +145,8 @@ TEST_CASE("the deprecated quantized writes are composite aliases of the new writ
   KVCACHE_OPERATORS(KVCACHE_ALIAS_NAME)
 #undef KVCACHE_ALIAS_NAME
   REQUIRE(aliases == std::vector<std::string>{"update_quantized_", "update_quantized_.Tensor",
-                                              "append_quantized_", "ring_update_quantized_"});
+                                              "append_quantized_", "ring_update_",
+                                              "ring_update_quantized_"});
   for (const auto& full : aliases) {
     const auto dot = full.find('.');
     const std::string name = "kvcache::" + full.substr(0, dot);

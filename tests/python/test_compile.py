@@ -118,7 +118,8 @@ def test_compiled_overflow_raises_value_error():
 @torch.no_grad()
 def test_inductor_quantized_writes_take_whole_buffers_and_scales():
     """The writes by format under Inductor: a quantized cache's and ring's writes (update_.Tensor, the
-    traced append's append_returning_, ring_update_, and the deprecated update_quantized_ alias, which
+    traced append's append_returning_, the ring's update_.Tensor with positions, and the deprecated
+    update_quantized_ alias, which
     decomposes into update_) get the graph-input buffers and scales themselves: no clone, no
     cache- or scale-sized allocation, and the bytes land in the caller's tensors."""
     torch._dynamo.reset()
@@ -142,8 +143,9 @@ def test_inductor_quantized_writes_take_whole_buffers_and_scales():
     got, codes = run_and_get_code(torch.compile(write, fullgraph=True), c, r, k, v, s)
     code = "\n".join(codes)
     calls = re.findall(r"torch\.ops\.kvcache\.(\w+)\.(\w+)\(([^)]*)\)", code)
-    assert sorted((op, ov) for op, ov, _ in calls) == [("append_returning_", "default"), ("ring_update_", "default"),
+    assert sorted((op, ov) for op, ov, _ in calls) == [("append_returning_", "default"), ("update_", "Tensor"),
                                                       ("update_", "Tensor"), ("update_", "default")], calls
+    assert sum("positions=arg" in args for _, _, args in calls) == 1, calls  # the ring's write
     for _, _, args in calls:
         # every tensor argument (buffers, scales, positions) is a graph input, not a copy
         for a in re.findall(r"(?:=|\b)(buf\d+|arg\d+_1)\b", args):

@@ -135,6 +135,34 @@ def ring(k, v, pos, kn, vn, s, sinks=0):
     return ops.ring_update_(k, v, pos, kn, vn, s, sinks=sinks)
 
 
+def ring_t(k, v, pos, kn, vn, s, *sc, sinks=0):
+    # The ring's write as the one device-start write takes it: update_.Tensor with positions.
+    return ops.update_.Tensor(k, v, kn, vn, s, positions=pos, sinks=sinks, **_scale_kw(sc, None) if sc else {})
+
+
+def ring_t_sinks(sinks):
+    return lambda k, v, pos, kn, vn, s: ring_t(k, v, pos, kn, vn, s, sinks=sinks)
+
+
+def upd_t_sinks(k, v, kn, vn, s):
+    return ops.update_.Tensor(k, v, kn, vn, s, sinks=1)
+
+
+def pw(kp, vp, key, value, slots, *sc, only=None):
+    kw = {}
+    if sc:
+        kw = {"key_scales": sc[0], "value_scales": sc[1]} if only is None else {only: sc[0]}
+    return ops.paged_write_(kp, vp, key, value, slots, **kw)
+
+
+def pages(dtype=torch.float32, blocks=6, bs=4):
+    return torch.randn(blocks, bs, H, D).to(dtype), torch.randn(blocks, bs, H, D).to(dtype)
+
+
+def tokens(n=3, heads=H, dim=D, dtype=torch.float32):
+    return torch.randn(n, heads, dim).to(dtype), torch.randn(n, heads, dim).to(dtype)
+
+
 def ring_sinks(sinks):
     return lambda k, v, pos, kn, vn, s: ops.ring_update_(k, v, pos, kn, vn, s, sinks=sinks)
 
@@ -575,6 +603,31 @@ CASES = [
          runtime=True),
     Case("ring_update_/start-int32-overflow", ring,
          lambda: (*cache(), ring_pos(), *new(2), torch.tensor(2**31 - 2)), runtime=True),
+    # --- the ring's write as update_.Tensor with positions (what ring_update_ decomposes into) ---
+    Case("update_.Tensor/ring-positions-int64", ring_t,
+         lambda: (*cache(), ring_pos(dtype=torch.int64), *new(1), torch.tensor(0))),
+    Case("update_.Tensor/ring-positions-shape", ring_t, lambda: (*cache(), ring_pos((B, T + 1)), *new(1), torch.tensor(0))),
+    Case("update_.Tensor/ring-positions-in-keys", ring_t, ring_pos_in_keys),
+    Case("update_.Tensor/ring-sinks-capacity", ring_t_sinks(T), lambda: (*cache(), ring_pos(), *new(1), torch.tensor(0))),
+    Case("update_.Tensor/ring-scales-on-float-cache", ring_t, lambda: (*cache(), ring_pos(), *new(1), torch.tensor(0),
+                                                                      *scales())),
+    Case("update_.Tensor/ring-start-negative", ring_t, lambda: (*cache(), ring_pos(), *new(1), torch.tensor([0, -1])),
+         runtime=True),
+    Case("update_.Tensor/sinks-without-positions", upd_t_sinks, lambda: (*cache(), *new(1), torch.tensor(0))),
+    # --- paged_write_ (a slot mapping; the slots' values are checked by the kernel when traced) ---
+    Case("paged_write_/key-dtype", pw, lambda: (*pages(), tokens()[0].half(), tokens()[1], torch.tensor([1, 2, 3]))),
+    Case("paged_write_/key-shape", pw, lambda: (*pages(), *tokens(heads=H + 1), torch.tensor([1, 2, 3]))),
+    Case("paged_write_/slots-shape", pw, lambda: (*pages(), *tokens(), torch.tensor([1, 2]))),
+    Case("paged_write_/slots-float", pw, lambda: (*pages(), *tokens(), torch.tensor([1.0, 2.0, 3.0]))),
+    Case("paged_write_/key-in-pages", pw,
+         lambda: (lambda kp, vp: (kp, vp, kp[0, :3], tokens()[1], torch.tensor([1, 2, 3])))(*pages())),
+    Case("paged_write_/int8-pages-no-scales", pw, lambda: (*pages(torch.int8), *tokens(), torch.tensor([1, 2, 3]))),
+    Case("paged_write_/scales-on-float-pages", pw,
+         lambda: (*pages(), *tokens(), torch.tensor([1, 2, 3]), torch.ones(6, 4, H), torch.ones(6, 4, H))),
+    Case("paged_write_/key_scales-alone", lambda *a: pw(*a, only="key_scales"),
+         lambda: (*pages(torch.int8), *tokens(), torch.tensor([1, 2, 3]), torch.ones(6, 4, H))),
+    Case("paged_write_/slot-past-end", pw, lambda: (*pages(), *tokens(), torch.tensor([1, 2, 24])), runtime=True),
+    Case("paged_write_/slot-twice", pw, lambda: (*pages(), *tokens(), torch.tensor([5, 2, 5])), runtime=True),
     # --- ring_update_quantized_ ---
     Case("ring_update_quantized_/keys-float-cache", qring,
          lambda: (*cache(), *scales(), ring_pos(), *new(1), torch.tensor(0))),
@@ -684,7 +737,7 @@ def test_table_covers_every_operator():
                      "select_rows_", "reset_rows", "init_layer_cache", "ring_update_", "ring_update_quantized_",
                      "append_kv_layer_cache",
                      "rollback_kv_layer_cache", "select_rows_kv_layer_cache", "reset_rows_kv_layer_cache",
-                     "update_quantized_", "update_quantized_.Tensor", "append_quantized_"}
+                     "update_quantized_", "update_quantized_.Tensor", "append_quantized_", "paged_write_"}
     assert all(isinstance(run_eager(c), (ValueError, TypeError)) for c in CASES if "requires-grad" not in c.id)
 
 

@@ -207,6 +207,13 @@ def _with_scales(samples, at):
         yield tuple(args), {**kwargs, "k_scale": ks, "v_scale": vs}
 
 
+def _as_ring_write(ring_samples):
+    # ring_update_'s (keys, values, positions, kn, vn, start) -> update_.Tensor's, positions= keyword
+    for args, kwargs in ring_samples:
+        k, v, pos, kn, vn, s = args
+        yield (k, v, kn, vn, s), {**kwargs, "positions": pos}
+
+
 def _scaled(alias_samples):
     # (keys, values, k_scale, v_scale, ...) -> (keys, values, ...), k_scale=, v_scale=
     return list(_with_scales(alias_samples, 2))
@@ -220,7 +227,9 @@ SAMPLES = {
     "init_layer_cache": lambda: [((2, 3, 8, 16), {"dtype": d, "device": torch.device("cpu")}) for d in (None, torch.bfloat16)],
     "update_": lambda: [*_update_samples(5), *_scaled(_update_quantized_samples(5))],
     "update_.Tensor": lambda: [*_update_samples(torch.tensor([0, 9], dtype=torch.int32)),
-                               *_scaled(_update_quantized_samples(torch.tensor([0, 9], dtype=torch.int32)))],
+                               *_scaled(_update_quantized_samples(torch.tensor([0, 9], dtype=torch.int32))),
+                               *_as_ring_write(_ring_update_samples()),
+                               *_as_ring_write(_scaled(_ring_update_quantized_samples()))],
     "append_": lambda: [*_append_samples(), *_scaled(_append_quantized_samples())],
     "update_quantized_": lambda: _update_quantized_samples(5),
     "update_quantized_.Tensor": lambda: _update_quantized_samples(torch.tensor([0, 9], dtype=torch.int32)),

@@ -204,14 +204,15 @@ def test_ring_api_calls_the_fused_op_once_per_write(kv_dtype, monkeypatch):
     import kvcache.ring as ring_mod
 
     calls = []
-    real = ring_mod._ring_update_op
+    real = ring_mod._write_op
 
     def ring_update(*a, **k):
         # One operator for both formats: the quantized write is the one given the ring's scales.
+        assert k.get("positions") is ring.positions  # the ring's write (update_.Tensor with positions)
         calls.append("q" if k.get("k_scale") is not None and k.get("v_scale") is not None else "plain")
         return real(*a, **k)
 
-    monkeypatch.setattr(ring_mod, "_ring_update_op", ring_update)
+    monkeypatch.setattr(ring_mod, "_write_op", ring_update)
     monkeypatch.setattr(ring_mod, "_update_op", lambda *a, **k: calls.append("staging"))
     ring = _ring(kv_dtype)
     kvcache.append_ring_layer_cache(ring, torch.randn(2, 2, 2, 8), torch.randn(2, 2, 2, 8))

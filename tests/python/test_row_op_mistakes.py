@@ -251,10 +251,11 @@ def bad_scales(cache, slots):
 SCALE_CASES = list(bad_scales(linear("int8"), T))
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 @pytest.mark.parametrize("case", SCALE_CASES)
 @MODES
-def test_select_rows_linear_refuses_bad_scales_before_any_move(case, compiled):
-    c = linear("int8")
+def test_select_rows_linear_refuses_bad_scales_before_any_move(case, compiled, kv_dtype):
+    c = linear(kv_dtype)
     change, msg = bad_scales(c, T)[case]
     bad = dataclasses.replace(c, **change)
     snap = snapshot(bad)
@@ -266,10 +267,11 @@ def test_select_rows_linear_refuses_bad_scales_before_any_move(case, compiled):
     assert_unchanged(bad, snap)
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 @pytest.mark.parametrize("case", SCALE_CASES)
 @MODES
-def test_select_rows_ring_refuses_bad_scales_before_any_move(case, compiled):
-    r = ring("int8")
+def test_select_rows_ring_refuses_bad_scales_before_any_move(case, compiled, kv_dtype):
+    r = ring(kv_dtype)
     change, msg = bad_scales(r, r.capacity)[case]
     bad = dataclasses.replace(r, **change)
     snap = snapshot(bad)

@@ -146,13 +146,33 @@ def test_ring_update_with_scales_matches_reference_and_alias(kv_dtype, chunk, st
     want = ring_update_reference(k, v, pos, kn, vn, start, sinks, ks, vs)
     new = [*clone_all([k, v, pos]), ks.clone(), vs.clone()]
     alias = clone_all([k, v, ks, vs, pos])
+    old = [*clone_all([k, v, pos]), ks.clone(), vs.clone()]
     s = torch.tensor(start, dtype=torch.int32)
-    got = ops.ring_update_(new[0], new[1], new[2], kn, vn, s, sinks=sinks, k_scale=new[3], v_scale=new[4])
+    # The one write with a device start: a ring's when given its positions.
+    got = ops.update_.Tensor(new[0], new[1], kn, vn, s, k_scale=new[3], v_scale=new[4], positions=new[2],
+                             sinks=sinks)
+    got_old = ops.ring_update_(old[0], old[1], old[2], kn, vn, s, sinks=sinks, k_scale=old[3], v_scale=old[4])
     got_alias = ops.ring_update_quantized_(*alias, kn, vn, s, sinks=sinks)
     alias = [alias[0], alias[1], alias[4], alias[2], alias[3]]  # keys, values, positions, k_scale, v_scale
-    for a, b, c in zip(new, want, alias):
-        assert same_bytes(a, b) and same_bytes(a, c)
+    for a, b, c, d in zip(new, want, alias, old):
+        assert same_bytes(a, b) and same_bytes(a, c) and same_bytes(a, d)
     assert torch.equal(got, (s + chunk).to(torch.int32)) and torch.equal(got, got_alias)
+    assert torch.equal(got, got_old)
+
+
+def test_sinks_without_positions_refused_before_any_write():
+    """sinks belong to a ring: update_.Tensor without positions refuses sinks != 0, with nothing
+    written (traced: test_error_parity's update_.Tensor/sinks-without-positions)."""
+    k, v = torch.zeros(B, H, T, D), torch.zeros(B, H, T, D)
+    kn, vn = random_tensor((B, H, 2, D), torch.float32, seed=1), random_tensor((B, H, 2, D), torch.float32, seed=2)
+
+    def write(k, v, kn, vn, s):
+        return ops.update_.Tensor(k, v, kn, vn, s, sinks=2)
+
+    with pytest.raises(ValueError, match=r"sinks apply to a ring \(positions given\): a write without "
+                                         r"positions takes sinks=0, got sinks=2"):
+        write(k, v, kn, vn, torch.tensor([0, 1]))
+    assert torch.count_nonzero(k) == 0 and torch.count_nonzero(v) == 0
 
 
 def test_ring_update_without_scales_is_the_plain_write():
@@ -319,10 +339,11 @@ def test_aliases_decompose_into_the_new_writes_when_traced():
     kn, vn = _kn()
     aot_function(step, fw_compiler=compiler)(k, v, ks, vs, pos, kn, vn, torch.tensor([0, 2]))
     graph = "\n".join(graphs)
-    assert "quantized" not in graph, graph
-    for name in ("kvcache.update_.default", "kvcache.update_.Tensor", "kvcache.append_.default",
-                 "kvcache.ring_update_.default"):
+    assert "quantized" not in graph and "ring_update" not in graph, graph
+    for name in ("kvcache.update_.default", "kvcache.update_.Tensor", "kvcache.append_.default"):
         assert name in graph, (name, graph)
+    # update_quantized_.Tensor and the ring alias: both update_.Tensor, the ring's with its positions
+    assert graph.count("kvcache.update_.Tensor") == 2 and "_positions_base_index" in graph, graph
 
 
 def test_compiled_new_write_matches_eager():

@@ -108,11 +108,23 @@ KVCACHE_API at::Tensor update_(
 /// `start` (int32/int64, 0-D or (batch,)); no host synchronization. Returns
 /// start + chunk as int32, of the start's shape. On CUDA, if any start is
 /// out of range nothing is written and every returned length is -1.
+///
+/// With `positions` ((batch, capacity) int32, the ring's record of the
+/// logical position in each slot, -1: empty) the cache is a ring of
+/// `capacity` slots whose first `sinks` stay: keys_new / values_new go to
+/// the logical positions [start, start + chunk) of each row (position p at
+/// slot p if p < sinks, else sinks + (p - sinks) % (capacity - sinks)),
+/// recorded in positions, in one pass; a chunk longer than the ring writes
+/// only what it keeps; the start is bounded by int32, not the capacity.
+/// Scales as above, (batch, num_kv_heads, capacity). sinks without
+/// positions: c10::ValueError. One write for both layouts, as attend reads
+/// both (attend's `positions`).
 KVCACHE_API at::Tensor update_(
     at::Tensor& keys, at::Tensor& values, const at::Tensor& keys_new,
     const at::Tensor& values_new, const at::Tensor& start,
     const std::optional<at::Tensor>& k_scale = std::nullopt,
-    const std::optional<at::Tensor>& v_scale = std::nullopt);
+    const std::optional<at::Tensor>& v_scale = std::nullopt,
+    const std::optional<at::Tensor>& positions = std::nullopt, int64_t sinks = 0);
 
 /// kvcache::append_: writes at lengths (0-D or (batch,), int32/int64) and
 /// advances lengths by chunk, in place; scales as update_. On CUDA, if any
@@ -290,36 +302,26 @@ struct RingKV {
   at::Tensor v_scale;
 };
 
-/// kvcache::ring_update_: writes keys_new / values_new at the logical
-/// positions [start, start + chunk) of each row (start: int32/int64, 0-D or
-/// (batch,), read on the device) and records them in positions, in one pass;
-/// a chunk longer than the ring writes only what it keeps. Returns start +
-/// chunk (int32, start's shape). With k_scale / v_scale (float32 (batch,
-/// num_kv_heads, capacity)) the ring is quantized (int8 / float8_e4m3fn keys
-/// and values): keys_new / values_new (float32, bfloat16 or float16) are
-/// quantized per (row, head, position) as update_ does and written with
-/// their scales and positions at the same slots, in one pass. Throws
-/// c10::ValueError / c10::TypeError for bad shapes, dtypes, devices,
-/// aliasing, scales (as update_) or (CPU) a negative start or one past
-/// int32, with nothing written; on CUDA a bad start writes nothing and every
-/// returned length is -1.
-KVCACHE_API at::Tensor ring_update_(
-    at::Tensor& keys, at::Tensor& values, at::Tensor& positions,
-    const at::Tensor& keys_new, const at::Tensor& values_new,
-    const at::Tensor& start, int64_t sinks = 0,
-    const std::optional<at::Tensor>& k_scale = std::nullopt,
-    const std::optional<at::Tensor>& v_scale = std::nullopt);
-
-/// Deprecated (kept for one release; the operator
-/// kvcache::ring_update_quantized_ is an alias of ring_update_): call
-/// ring_update_ with k_scale and v_scale.
-[[deprecated("call kvcache::ring_update_ with k_scale and v_scale")]] inline at::Tensor
+/// Deprecated (kept for one release; the operators kvcache::ring_update_ /
+/// ring_update_quantized_ are aliases of update_.Tensor with positions):
+/// call update_(keys, values, keys_new, values_new, start, k_scale, v_scale,
+/// positions, sinks).
+[[deprecated("call kvcache::update_ with positions and sinks")]] inline at::Tensor
+ring_update_(at::Tensor& keys, at::Tensor& values, at::Tensor& positions,
+             const at::Tensor& keys_new, const at::Tensor& values_new,
+             const at::Tensor& start, int64_t sinks = 0,
+             const std::optional<at::Tensor>& k_scale = std::nullopt,
+             const std::optional<at::Tensor>& v_scale = std::nullopt) {
+  return update_(keys, values, keys_new, values_new, start, k_scale, v_scale,
+                 positions, sinks);
+}
+[[deprecated("call kvcache::update_ with positions, sinks, k_scale and v_scale")]] inline at::Tensor
 ring_update_quantized_(at::Tensor& keys, at::Tensor& values, at::Tensor& k_scale,
                        at::Tensor& v_scale, at::Tensor& positions,
                        const at::Tensor& keys_new, const at::Tensor& values_new,
                        const at::Tensor& start, int64_t sinks = 0) {
-  return ring_update_(keys, values, positions, keys_new, values_new, start,
-                      sinks, k_scale, v_scale);
+  return update_(keys, values, keys_new, values_new, start, k_scale, v_scale,
+                 positions, sinks);
 }
 
 /// Creates an empty ring (zero buffers, positions -1, length 0). Throws
@@ -341,7 +343,7 @@ KVCACHE_API RingLayerCache init_quantized_ring_layer_cache(
 /// Writes a chunk at cache.length (advanced in place) and returns what the
 /// chunk's queries attend over (see RingKV): write-then-attend for any
 /// chunk length, exact. A quantized ring's write is one
-/// ring_update_ with the scales (data, scales and positions in one pass); a chunk
+/// update_ with positions and the scales (data, scales and positions in one pass); a chunk
 /// longer than max_step is also quantized into a chunk-sized buffer
 /// (update_ with scales) for the returned view.
 KVCACHE_API RingKV write_ring_layer_cache(const RingLayerCache& cache,
