@@ -8,7 +8,7 @@
 #include "../core/checks.h"
 #include "../core/overlap.h"
 #include "../core/tensor_params.h"
-#include "../core/typed_op.h"
+#include "kvcache/kvcache.h"
 #include "update.h"
 
 namespace kvcache {
@@ -88,11 +88,6 @@ std::vector<int64_t> check_ring_update(
   return starts;
 }
 
-void check_no_sinks(int64_t sinks) {
-  TORCH_CHECK_VALUE(sinks == 0, "sinks apply to a ring (positions given): a write without "
-                    "positions takes sinks=0, got sinks=", sinks);
-}
-
 std::vector<int64_t> check_device_start_write(
     const at::Tensor& keys, const at::Tensor& values,
     const at::Tensor& keys_new, const at::Tensor& values_new,
@@ -104,28 +99,10 @@ std::vector<int64_t> check_device_start_write(
     return check_ring_update(keys, values, *positions, keys_new, values_new,
                              start, sinks, values_known, k_scale, v_scale);
   }
-  check_no_sinks(sinks);
+  TORCH_CHECK_VALUE(sinks == 0, "sinks apply to a ring (positions given): a write without "
+                    "positions takes sinks=0, got sinks=", sinks);
   return check_update_tensor(keys, values, keys_new, values_new, start,
                              values_known, k_scale, v_scale);
-}
-
-at::Tensor call_device_start_write(at::Tensor& keys, at::Tensor& values,
-                                   const at::Tensor& keys_new,
-                                   const at::Tensor& values_new,
-                                   const at::Tensor& start,
-                                   const std::optional<at::Tensor>& k_scale,
-                                   const std::optional<at::Tensor>& v_scale,
-                                   const std::optional<at::Tensor>& positions,
-                                   int64_t sinks) {
-  static const auto op =
-      typed_op<at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor&,
-                          const at::Tensor&, const at::Tensor&,
-                          const std::optional<at::Tensor>&,
-                          const std::optional<at::Tensor>&,
-                          const std::optional<at::Tensor>&, int64_t)>(
-          "kvcache::update_", "Tensor");
-  return op.call(keys, values, keys_new, values_new, start, k_scale, v_scale,
-                 positions, sinks);
 }
 
 namespace {
@@ -194,10 +171,10 @@ at::Tensor ring_update_(at::Tensor& keys, at::Tensor& values,
                         const at::Tensor& values_new, const at::Tensor& start,
                         int64_t sinks, const std::optional<at::Tensor>& k_scale,
                         const std::optional<at::Tensor>& v_scale) {
-  // Through the dispatcher: tracing decomposes the alias into update_.Tensor.
-  return detail::call_device_start_write(keys, values, keys_new, values_new,
-                                         start, k_scale, v_scale, positions,
-                                         sinks);
+  // The C++ API's update_.Tensor, through the dispatcher: tracing
+  // decomposes the alias into update_.Tensor.
+  return kvcache::update_(keys, values, keys_new, values_new, start, k_scale,
+                          v_scale, positions, sinks);
 }
 
 at::Tensor ring_update_quantized_(at::Tensor& keys, at::Tensor& values,
@@ -206,10 +183,10 @@ at::Tensor ring_update_quantized_(at::Tensor& keys, at::Tensor& values,
                                   const at::Tensor& keys_new,
                                   const at::Tensor& values_new,
                                   const at::Tensor& start, int64_t sinks) {
-  // Through the dispatcher: tracing decomposes the alias into update_.Tensor.
-  return detail::call_device_start_write(keys, values, keys_new, values_new,
-                                         start, k_scale, v_scale, positions,
-                                         sinks);
+  // The C++ API's update_.Tensor, through the dispatcher: tracing
+  // decomposes the alias into update_.Tensor.
+  return kvcache::update_(keys, values, keys_new, values_new, start, k_scale,
+                          v_scale, positions, sinks);
 }
 
 }  // namespace ops

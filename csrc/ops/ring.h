@@ -96,10 +96,8 @@ KVCACHE_API std::vector<int64_t> check_ring_update(
     bool values_known, const std::optional<at::Tensor>& k_scale = std::nullopt,
     const std::optional<at::Tensor>& v_scale = std::nullopt);
 
-// sinks apply to a ring only: a linear write (no positions) refuses others.
-KVCACHE_API void check_no_sinks(int64_t sinks);
-
-// update_.Tensor's checks: a ring's (positions given) or a linear cache's.
+// update_.Tensor's checks: a ring's (positions given) or a linear cache's
+// (which refuses sinks other than 0: sinks apply to a ring only).
 // Returns the checked starts when they can be read here (CPU, eager).
 KVCACHE_API std::vector<int64_t> check_device_start_write(
     const at::Tensor& keys, const at::Tensor& values,
@@ -116,17 +114,6 @@ at::Tensor ring_write(at::Tensor& keys, at::Tensor& values,
                       const at::Tensor& values_new, const at::Tensor& start,
                       int64_t sinks, const std::optional<at::Tensor>& k_scale,
                       const std::optional<at::Tensor>& v_scale);
-
-// update_.Tensor called through the dispatcher (for the deprecated aliases,
-// whose kernels must decompose into it under tracing).
-at::Tensor call_device_start_write(at::Tensor& keys, at::Tensor& values,
-                                   const at::Tensor& keys_new,
-                                   const at::Tensor& values_new,
-                                   const at::Tensor& start,
-                                   const std::optional<at::Tensor>& k_scale,
-                                   const std::optional<at::Tensor>& v_scale,
-                                   const std::optional<at::Tensor>& positions,
-                                   int64_t sinks);
 
 // The checks with the schemas' arguments, as the fake kernels run them.
 inline void trace_check_update_tensor_(

@@ -11,6 +11,7 @@
 #include "../core/rules.h"
 #include "../core/tensor_params.h"
 #include "../core/typed_op.h"
+#include "kvcache/kvcache.h"
 #include "ring.h"
 
 namespace kvcache {
@@ -454,9 +455,9 @@ at::Tensor update_tensor_(at::Tensor& keys, at::Tensor& values,
     return detail::ring_write(keys, values, *positions, keys_new, values_new,
                               start, sinks, k_scale, v_scale);
   }
-  detail::check_no_sinks(sinks);
-  const auto starts = detail::check_update_tensor(
-      keys, values, keys_new, values_new, start, true, k_scale, v_scale);
+  const auto starts = detail::check_device_start_write(
+      keys, values, keys_new, values_new, start, true, k_scale, v_scale,
+      positions, sinks);
   at::Tensor length = at::empty(start.sizes(), keys.options().dtype(at::kInt));
   auto p = make_params(keys, values, keys_new, values_new);
   p.starts = detail::int_rows(start);
@@ -502,7 +503,10 @@ at::Tensor append_returning_(at::Tensor& keys, at::Tensor& values,
 // The deprecated aliases call the new writes through the dispatcher (not
 // the entry points above): under tracing their CompositeImplicitAutograd
 // kernels decompose into the new operator, whose fake kernel, autograd
-// refusal and version bump then apply.
+// refusal and version bump then apply. They call the C++ API's writes
+// (csrc/api.cpp), which do exactly that; update_quantized_ keeps a handle of
+// its own because its start is a SymInt (the C++ API's is an int64_t, which
+// would specialize a symbolic start while tracing).
 at::Tensor update_quantized_(at::Tensor& keys, at::Tensor& values,
                              at::Tensor& k_scale, at::Tensor& v_scale,
                              const at::Tensor& keys_new,
@@ -521,20 +525,15 @@ at::Tensor update_quantized_tensor_(at::Tensor& keys, at::Tensor& values,
                                     const at::Tensor& keys_new,
                                     const at::Tensor& values_new,
                                     const at::Tensor& start) {
-  return detail::call_device_start_write(keys, values, keys_new, values_new,
-                                         start, k_scale, v_scale, std::nullopt,
-                                         0);
+  return kvcache::update_(keys, values, keys_new, values_new, start, k_scale,
+                          v_scale);
 }
 
 void append_quantized_(at::Tensor& keys, at::Tensor& values,
                        at::Tensor& k_scale, at::Tensor& v_scale,
                        at::Tensor& lengths, const at::Tensor& keys_new,
                        const at::Tensor& values_new) {
-  static const auto op =
-      detail::typed_op<void(at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
-                 const at::Tensor&, const std::optional<at::Tensor>&,
-                 const std::optional<at::Tensor>&)>("kvcache::append_", "");
-  op.call(keys, values, lengths, keys_new, values_new, k_scale, v_scale);
+  kvcache::append_(keys, values, lengths, keys_new, values_new, k_scale, v_scale);
 }
 
 }  // namespace ops
