@@ -17,7 +17,12 @@ budget):
   context per layer, and an additive ``(tokens, context)`` mask per step.
 
 Columns: generated tokens/s (all requests' new tokens / wall time) and its ratio to ``sdpa``'s,
-``ceiling_vs_sdpa`` (``sdpa``'s time over the floor: the ratio a run at the floor would reach, the
+``attn_s`` (the seconds spent inside the attention function, every layer and step) and its share of
+the run, ``attn_floor_s`` (causal attention's FLOPs for the requests at the GEMM rate measured in the
+same run: the attention computing as fast as a matrix product), ``attn_at_floor_vs_sdpa`` (``sdpa``'s
+time over this run's with ``attn_s`` replaced by ``attn_floor_s``: what an attention at the floor
+would reach, the model's other layers as they ran) and ``attn_free_vs_sdpa`` (the same with
+attention at zero cost: the most any attention can gain over ``sdpa`` here), ``ceiling_vs_sdpa`` (``sdpa``'s time over the floor: the ratio a run at the floor would reach, the
 most any attention can gain over ``sdpa`` on this machine), the run's floor (the requests' FLOPs at
 the GEMM rate measured in the same run) and the fraction of it reached, whether every request's
 tokens equal ``sdpa``'s (else how many differ, the earliest token index where one does, and there
@@ -46,6 +51,7 @@ try:
     import transformers
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
     from transformers.generation.continuous_batching import cache as cb_cache
+    from transformers.modeling_utils import AttentionInterface
 
     import kvcache.hf  # noqa: F401  (registers attn_implementation="kvcache" and paged|kvcache)
 except ImportError as e:  # pragma: no cover
@@ -81,6 +87,30 @@ def prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
     return [torch.randint(10, vocab, (k,), generator=g).tolist() for k in lens]
+
+
+class _AttentionClock:
+    """Wall time spent inside the model's attention function (whatever ``AttentionInterface`` hands the
+    attention layers: kvcache's paged write and attend, or paged|sdpa's cache update, gather and SDPA),
+    summed over layers and steps; reset by each :func:`run`. What is left of a run's time is the
+    model's own (projections, MLP, norms, rotary, sampling, the scheduler), which no attention changes."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        orig = AttentionInterface.__getitem__
+        clock = self
+
+        def timed(fn):
+            def attention(*a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    clock.seconds += time.perf_counter() - t0
+            return attention
+
+        # get_interface (5.24) and a plain lookup (5.18) both end in __getitem__.
+        AttentionInterface.__getitem__ = lambda this, key: timed(orig(this, key))
 
 
 class _CacheBytes:
@@ -122,19 +152,25 @@ def head_dim_of(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
+def attention_flops(model, reqs, new_tokens: int) -> float:
+    """Causal attention's FLOPs for the requests: 4 x heads x head_dim x layers per (query, visible
+    key), every token of each request (prompt and generated) a query over the tokens up to it."""
+    cfg = model.config
+    per_pair = 4.0 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim_of(cfg)
+    return sum(per_pair * (len(r) + new_tokens) * (len(r) + new_tokens + 1) / 2 for r in reqs)
+
+
 def work_flops(model, reqs, new_tokens: int) -> float:
     """The FLOPs the requests need: 2 x (weights used per token) per token processed (prompt and
-    generated), attention's 4 x heads x head_dim per (query, visible key), and the lm_head once per
-    generated token (generate_batch computes logits for each request's last token only)."""
+    generated), the attention's (:func:`attention_flops`), and the lm_head once per generated token
+    (generate_batch computes logits for each request's last token only)."""
     cfg = model.config
     body = sum(p.numel() for name, p in model.named_parameters()
                if "embed_tokens" not in name and "lm_head" not in name)
     lm_head = cfg.vocab_size * cfg.hidden_size
-    per_pair = 4.0 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim_of(cfg)
-    flops = 0.0
+    flops = attention_flops(model, reqs, new_tokens)
     for r in reqs:
-        total = len(r) + new_tokens
-        flops += 2.0 * body * total + 2.0 * lm_head * new_tokens + per_pair * total * (total + 1) / 2
+        flops += 2.0 * body * (len(r) + new_tokens) + 2.0 * lm_head * new_tokens
     return flops
 
 
@@ -160,7 +196,9 @@ def logit_gap(model, prompt, common, tok_a: int, tok_b: int) -> float:
     return float(logits[tok_a] - logits[tok_b])
 
 
-def run(model, attn: str, reqs, new_tokens: int, max_batch_tokens: int):
+def run(model, attn: str, reqs, new_tokens: int, max_batch_tokens: int, clock: _AttentionClock | None = None):
+    """One ``generate_batch`` call: (seconds, each request's generated tokens); ``clock`` (reset here)
+    then holds the seconds spent inside the attention function."""
     from transformers import GenerationConfig
 
     model.set_attn_implementation(attn)
@@ -170,6 +208,8 @@ def run(model, attn: str, reqs, new_tokens: int, max_batch_tokens: int):
     cb = ContinuousBatchingConfig(page_size=PAGE, num_blocks=-(-total // PAGE) + 2 * len(reqs) + 4,
                                   max_batch_tokens=max_batch_tokens, allow_block_sharing=True,
                                   max_requests_per_batch=len(reqs))
+    if clock is not None:
+        clock.seconds = 0.0
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -207,6 +247,7 @@ def main() -> None:
     else:
         gguf = bench_quant.locate_gguf(args.gguf, args.cache_dir or os.path.expanduser("~/.cache/kvcache-examples"))
     recorder = _CacheBytes()
+    clock = _AttentionClock()
     rows = []
     for dtype_name in args.dtype:
         model = load(gguf, DTYPES[dtype_name])
@@ -219,14 +260,16 @@ def main() -> None:
                 for n in args.requests:
                     reqs = prompts(n, args.prompt_min, args.prompt_max, cfg.vocab_size)
                     floor = work_flops(model, reqs, args.new_tokens) / rate
+                    attn_floor = attention_flops(model, reqs, args.new_tokens) / rate
                     results = {}
                     for attn in args.attn:
-                        dt, tokens = run(model, attn, reqs, args.new_tokens, args.max_batch_tokens)
+                        dt, tokens = run(model, attn, reqs, args.new_tokens, args.max_batch_tokens, clock)
                         results[attn] = tokens
                         rows.append(dict(
                             dtype=dtype_name, threads=nt, requests=n, attn=f"paged|{attn}",
                             prompt_tokens=sum(len(r) for r in reqs), new_tokens=n * args.new_tokens,
                             seconds=dt, tokens_per_s=n * args.new_tokens / dt,
+                            attn_s=clock.seconds, attn_share=clock.seconds / dt, attn_floor_s=attn_floor,
                             gemm_gflops=rate / 1e9, floor_s=floor, of_floor=floor / dt,
                             kv_bytes_held=sum(len(r) + args.new_tokens for r in reqs) * per_token,
                             cache_tensor_bytes=recorder.bytes))
@@ -239,6 +282,15 @@ def main() -> None:
                         # The most any attention could gain over paged|sdpa here: a run at the floor.
                         row["ceiling_vs_sdpa"] = (n * args.new_tokens / sdpa_rate / floor if sdpa_rate
                                                   else float("nan"))
+                        # The ratio this run would reach with its attention at zero cost and the rest
+                        # of the model as measured: the most any attention can gain here without
+                        # changing the model's own layers.
+                        sdpa_s = n * args.new_tokens / sdpa_rate if sdpa_rate else float("nan")
+                        rest = row["seconds"] - row["attn_s"]
+                        row["attn_free_vs_sdpa"] = sdpa_s / rest
+                        # ... and with its attention at the attention's floor (its FLOPs at the GEMM
+                        # rate): the most an attention that computes as fast as a GEMM gains here.
+                        row["attn_at_floor_vs_sdpa"] = sdpa_s / (rest + attn_floor)
                         differ, first, req = (first_difference(mine, ref) if ref is not None
                                               else (0, None, None))
                         gap = ""
@@ -252,11 +304,18 @@ def main() -> None:
     print_table(f"generate_batch, {MODELS[args.model]}, prompts {args.prompt_min}-{args.prompt_max}, "
                 f"{args.new_tokens} new tokens, page {PAGE}, step budget {args.max_batch_tokens} tokens",
                 rows, ["dtype", "threads", "requests", "attn", "prompt_tokens", "seconds", "tokens_per_s",
-                       "vs_sdpa", "ceiling_vs_sdpa", "floor_s", "of_floor", "same_as_sdpa", "kv_bytes_held",
+                       "attn_s", "attn_share", "attn_floor_s", "vs_sdpa", "attn_at_floor_vs_sdpa",
+                       "attn_free_vs_sdpa", "ceiling_vs_sdpa", "floor_s",
+                       "of_floor", "same_as_sdpa", "kv_bytes_held",
                        "cache_tensor_bytes"])
     print("floor_s: the requests' FLOPs (weights x tokens, attention over each token's context) at the "
           "GEMM rate measured in the same run (gemm_gflops in --json); of_floor = floor_s / seconds; "
-          "ceiling_vs_sdpa = paged|sdpa's seconds / floor_s, the most any attention could gain over it here.")
+          "ceiling_vs_sdpa = paged|sdpa's seconds / floor_s, what a run at the floor would gain over it; "
+          "attn_s: seconds inside the attention function (write, attend; sdpa: cache update, gather, SDPA); "
+          "attn_floor_s: the attention's FLOPs at the GEMM rate; attn_at_floor_vs_sdpa = paged|sdpa's seconds / "
+          "(seconds - attn_s + attn_floor_s), the ratio with this run's attention as fast as a GEMM and the "
+          "model's other layers as they ran; attn_free_vs_sdpa = paged|sdpa's seconds / (seconds - attn_s), "
+          "the same with attention at zero cost: the most any attention can gain here.")
     write_json(args.json, env, args, rows)
 
 
