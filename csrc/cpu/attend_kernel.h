@@ -1444,11 +1444,21 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
     VS.select(sc.sel.data(), sc.sel_run.data());
   }
   // A block: at most kBlock slots. In a task whose blocks may take the
-  // GEMM loops (enough rows), consecutive in memory (cut at page ends);
-  // otherwise it may span pages, and its scores and weights go run by run
-  // (the consecutive slots of one page) while the softmax and the output
-  // update stay once a block: small pages cost no more rescales than big ones.
-  const bool one_run = plan.chunks != Chunks::kNone && rows >= plan.gemm_rows;
+  // GEMM loops (enough rows), consecutive in memory (cut at page ends) when
+  // the pages hold a block or more; over smaller pages (16-slot pages, and
+  // transformers' gathered context read as pages of one slot) it spans
+  // pages and its GEMM block widens each run into the block's scratch
+  // first (`gathered` below), one GEMM call a block instead of one a page
+  // (pages of one slot ran GEMM calls of one column). The bf16 pair loops
+  // keep blocks within a page (they read bf16 keys and values in place).
+  // Otherwise a block may span pages, and its scores and weights go run by
+  // run (the consecutive slots of one page) while the softmax and the
+  // output update stay once a block: small pages cost no more rescales
+  // than big ones.
+  const bool gemm_task = plan.chunks != Chunks::kNone && rows >= plan.gemm_rows;
+  const bool gather_runs = gemm_task && plan.chunks != Chunks::kBf16Pairs && K.table != nullptr &&
+                           K.block_size < kBlock;
+  const bool one_run = gemm_task && !gather_runs;
   auto block_end = [&](int64_t c0) {
     return c0 + std::min({kBlock, task_hi - c0, one_run ? K.run(c0) : kBlock});
   };
@@ -1549,9 +1559,10 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
     // Runs of consecutive slots in [c0, c1): [j, run_end(j)).
     auto run_end = [&](int64_t j) { return j + std::min(c1 - j, K.run(j)); };
 
-    // A chunk's block (one run): GEMM micro-kernels over packed keys (and
-    // widened values) shared by all its rows, head by head.
+    // A chunk's block (one run, or runs gathered): GEMM micro-kernels over
+    // packed keys (and widened values) shared by all its rows, head by head.
     if (plan.chunks != Chunks::kNone && (tb - ta) * G >= plan.gemm_rows) {
+      const bool gathered = gather_runs && K.run(c0) < n;
       for (int64_t h = 0; h < t.heads; ++h) {
         const int64_t ra = h * rows + ta * G, rb = h * rows + tb * G;
         const Ahead ahead = run_ahead(h, c0, c1, c1, cend);
@@ -1560,6 +1571,35 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
         Trickle pf(ahead);  // the next block's lines, over this block's tiles
         // bf16 chunks on AVX512-BF16: both products on bf16 pairs.
         const bool pairs = kBf16Pairs<T, TKV> && plan.chunks == Chunks::kBf16Pairs;
+        if (gathered) {
+          // Each run's keys and values widened to float32 rows Dp apart (the
+          // widened-values layout of the last branch below), then the float
+          // GEMMs over them; each run's scales on its columns.
+          float* const kg = sc.kb.data();
+          float* const vg = sc.vb.data();
+          for (int64_t j = c0; j < c1; j = run_end(j)) {
+            widen_rows(K.at(j) + h * p.k_stride[1], K.ld, p.k_stride[3], run_end(j) - j, D, Dp, kg + (j - c0) * Dp);
+          }
+          qk_gemm<FloatScores>(Q + ra * Dp, Dp, static_cast<const float*>(kg), Dp, 1, n, n8, D, Dp, 1.f, rb - ra,
+                               S + ra * kBlock, kBlock, nullptr, sc.kt.data(), pf);
+          if constexpr (kQuantized) {
+            for (int64_t j = c0; j < c1; j = run_end(j)) {
+              scale_columns(S + (j - c0), ra, rb, run_end(j) - j, KS.at(j) + h * p.ks_stride[1], KS.ld);
+            }
+          }
+          softmax_rows(plan, sc, h * rows, ra, rb, c0, c1, n8);
+          if constexpr (kQuantized) {
+            for (int64_t j = c0; j < c1; j = run_end(j)) {
+              scale_columns(S + (j - c0), ra, rb, run_end(j) - j, VS.at(j) + h * p.vs_stride[1], VS.ld);
+            }
+          }
+          for (int64_t j = c0; j < c1; j = run_end(j)) {
+            widen_rows(V.at(j) + h * p.v_stride[1], V.ld, p.v_stride[3], run_end(j) - j, D, Dp, vg + (j - c0) * Dp);
+          }
+          pv_gemm<FloatWeights>(S + ra * kBlock, kBlock, static_cast<const float*>(vg), Dp, n, n8, rb - ra, Dp,
+                                O + ra * Dp, Dp, alpha + ra, nullptr, nullptr, pf);
+          continue;
+        }
         if (pairs) {
           if constexpr (kBf16Pairs<T, TKV>) {
             qk_gemm<Bf16Scores<typename Vec::Bf16>>(sc.qh.data() + ra * D, D, kc, K.ld, 1, n, n8, D, Dp,

@@ -228,6 +228,30 @@ def test_attend_quantized_pages(kv_dtype, qdtype):
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("block_size", [1, 5, 16, 48])
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("opts", [{}, dict(softcap=2.0, window=37, sink_logits=True)])
+def test_attend_chunks_over_pages_smaller_than_a_block(block_size, kv_dtype, opts):
+    """Prefill chunks (enough query rows for the GEMM loops) whose blocks span pages smaller than a
+    kernel block (64 slots): each run of a block is gathered before the GEMMs; plain and quantized
+    pages, with a window, softcap and sink logits; a chunk whose start is not page-aligned."""
+    ctx, qlens = [150, 77, 40, 200], [70, 77, 1, 33]
+    q, kp, vp, table, lens, cu = make_case(ctx, qlens, heads=6, kv_heads=3, dim=64, block_size=block_size,
+                                           seed=23)
+    opts = dict(opts)
+    if opts.pop("sink_logits", False):
+        opts["sink_logits"] = torch.randn(6, generator=torch.Generator().manual_seed(1))
+    if kv_dtype is None:
+        out = attend_pages(q, kp, vp, table, lens, cu, **opts)
+        ref = reference(q, kp, vp, table, lens, cu, **opts)
+    else:
+        kq, ks = quantize_ref(kp, kv_dtype)
+        vq, vs = quantize_ref(vp, kv_dtype)
+        out = attend_pages(q, kq, vq, table, lens, cu, key_scales=ks, value_scales=vs, **opts)
+        ref = reference(q, dequantized(kq, ks), dequantized(vq, vs), table, lens, cu, **opts)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+
+
 ISA_SCRIPT = """
 import sys, torch
 sys.path.insert(0, {here!r})
