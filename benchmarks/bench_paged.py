@@ -1,7 +1,7 @@
 """Paged attend against contiguous attend over the same sequences: what the page indirection costs.
 
 ``python benchmarks/bench_paged.py [--device cpu] [--threads 1 0] [--dtypes float32 bfloat16] [--block-sizes 16 64 256]
-[--batch 16 32 64] [--packed-sdpa] [--json F]``
+[--batch 16 32 64] [--q-len 1] [--packed-sdpa] [--json F]``
 
 A decode step (one query per sequence) over a batch of sequences whose lengths spread from 1/8 of
 ``--max-len`` to ``--max-len`` (SmolLM2's attention geometry by default: 9 query heads, 3 KV heads,
@@ -17,7 +17,8 @@ twice the sequences should cost about twice the time. ``--packed-sdpa`` also tim
 transformers' ``paged|sdpa`` does per layer: gather every sequence's context into one packed
 tensor and run SDPA over all queries against all keys under a block-diagonal mask (its work grows
 with the square of the batch). Prints the CPU model and the kernel's ISA path; a figure holds only
-with them.
+with them. ``--q-len N`` makes each sequence's last N tokens its queries (a prefill chunk, the GEMM
+loops: pages smaller than the kernel's 64-slot block are gathered a block at a time) instead of one.
 """
 
 import argparse
@@ -32,7 +33,7 @@ import kvcache  # noqa: E402
 from kvcache.paged import attend_pages  # noqa: E402
 
 
-def case(batch, heads, kv_heads, dim, max_len, block_size, dtype, seed=0, device="cpu"):
+def case(batch, heads, kv_heads, dim, max_len, block_size, dtype, seed=0, device="cpu", q_len=1):
     g = torch.Generator().manual_seed(seed)
     # Lengths from max_len / 8 to max_len over (at most) 16 sequences, repeated: batches of 32 and
     # 64 hold the 16-sequence batch's lengths twice and four times.
@@ -49,19 +50,22 @@ def case(batch, heads, kv_heads, dim, max_len, block_size, dtype, seed=0, device
     slots = (table.long()[:, pos // block_size] * block_size + pos % block_size).reshape(-1)
     kp.view(-1, kv_heads, dim)[slots] = keys.permute(0, 2, 1, 3).reshape(-1, kv_heads, dim)
     vp.view(-1, kv_heads, dim)[slots] = values.permute(0, 2, 1, 3).reshape(-1, kv_heads, dim)
-    q = torch.randn(batch, heads, 1, dim, generator=g).to(dtype)
+    lens = lens.clamp(min=q_len)
+    q = torch.randn(batch, heads, q_len, dim, generator=g).to(dtype)
     keys, values, lens, kp, vp, table, q = (t.to(device) for t in (keys, values, lens, kp, vp, table, q))
     cache = kvcache.KVLayerCache(keys, values, lens)
     # The same tokens in token-major memory ((batch, max_len, kv_heads, head_dim), each slot's
     # heads side by side as in a page), viewed head-major: no pages, the pages' slot layout.
     token_major = kvcache.KVLayerCache(keys.transpose(1, 2).contiguous().transpose(1, 2),
                                        values.transpose(1, 2).contiguous().transpose(1, 2), lens)
-    cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
-    q3 = q[:, :, 0].contiguous()
+    # Each sequence's queries are its last q_len tokens, in both calls.
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=device) * q_len
+    q3 = q.transpose(1, 2).reshape(batch * q_len, heads, dim).contiguous()
+    as_paged = lambda out: out.transpose(1, 2).reshape(batch * q_len, heads, dim)  # noqa: E731
     contiguous = lambda: kvcache.attend(q, cache)  # noqa: E731
     contiguous_tm = lambda: kvcache.attend(q, token_major)  # noqa: E731
     paged = lambda: attend_pages(q3, kp, vp, table, lens, cu)  # noqa: E731
-    torch.testing.assert_close(paged(), contiguous()[:, :, 0], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(paged(), as_paged(contiguous()), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(contiguous_tm(), contiguous(), atol=2e-2, rtol=2e-2)
 
     # transformers' paged|sdpa: every context gathered into one packed (1, kv_heads, total, dim),
@@ -77,7 +81,8 @@ def case(batch, heads, kv_heads, dim, max_len, block_size, dtype, seed=0, device
         qq = q3.transpose(0, 1)[None]
         return torch.nn.functional.scaled_dot_product_attention(qq, k, v, attn_mask=mask, enable_gqa=True)
 
-    if batch * max_len <= 1 << 16:  # the stand-in computes what paged attend does (checked where cheap)
+    # The stand-in computes what paged attend does (checked where cheap).
+    if q_len == 1 and batch * max_len <= 1 << 16:
         torch.testing.assert_close(packed_sdpa()[0].transpose(0, 1), paged(), atol=2e-2, rtol=2e-2)
     return contiguous, contiguous_tm, paged, packed_sdpa
 
@@ -88,7 +93,9 @@ def main(argv=None):
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64, 256])
     p.add_argument("--batch", type=int, nargs="+", default=[16])
-    p.add_argument("--packed-sdpa", action="store_true", help="also time paged|sdpa's packed SDPA (slow)")
+    p.add_argument("--packed-sdpa", action="store_true", help="also time paged|sdpa's packed SDPA (slow; decode only)")
+    p.add_argument("--q-len", type=int, default=1,
+                   help="queries per sequence (its last tokens): 1 decodes, more time prefill chunks (the GEMM loops)")
     p.add_argument("--max-len", type=int, default=4096)
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--kv-heads", type=int, default=3)
@@ -109,9 +116,9 @@ def main(argv=None):
                     for batch in args.batch:
                         contiguous, token_major, paged, packed = case(batch, args.heads, args.kv_heads,
                                                                       args.head_dim, args.max_len, bs, dtype,
-                                                                      device=device)
+                                                                      device=device, q_len=args.q_len)
                         fns = {"contiguous": contiguous, "token_major": token_major, "paged": paged}
-                        if args.packed_sdpa:
+                        if args.packed_sdpa and args.q_len == 1:
                             fns["packed_sdpa"] = packed
                         t = common.measure_many(fns, device, args.min_time, args.rounds)
                         c_us, p_us = t["contiguous"]["median_us"], t["paged"]["median_us"]
@@ -119,18 +126,21 @@ def main(argv=None):
                         first = first or {"batch": batch, "paged": p_us,
                                           "sdpa": t.get("packed_sdpa", {}).get("median_us")}
                         row = dict(threads=torch.get_num_threads(), dtype=dt, block_size=bs, batch=batch,
+                                   q_len=args.q_len,
                                    max_len=args.max_len, contiguous_us=c_us, token_major_us=tm_us,
                                    paged_us=p_us, ratio=p_us / c_us, vs_token_major=p_us / tm_us,
                                    paged_spread=common.spread(t["paged"]), vs_first_batch=p_us / first["paged"])
-                        if args.packed_sdpa:
+                        if "packed_sdpa" in fns:
                             s_us = t["packed_sdpa"]["median_us"]
                             row.update(packed_sdpa_us=s_us, sdpa_vs_first_batch=s_us / first["sdpa"])
                         rows.append(row)
-    cols = ["threads", "dtype", "block_size", "batch", "max_len", "contiguous_us", "token_major_us", "paged_us",
+    cols = ["threads", "dtype", "block_size", "batch", "q_len", "max_len", "contiguous_us", "token_major_us",
+            "paged_us",
             "paged_spread", "ratio", "vs_token_major", "vs_first_batch"]
-    if args.packed_sdpa:
+    if args.packed_sdpa and args.q_len == 1:
         cols += ["packed_sdpa_us", "sdpa_vs_first_batch"]
-    common.print_table("decode attend: paged vs contiguous (median of interleaved rounds)", rows, cols)
+    what = "decode" if args.q_len == 1 else f"{args.q_len}-token chunk"
+    common.print_table(f"{what} attend: paged vs contiguous (median of interleaved rounds)", rows, cols)
     common.write_json(args.json, env, args, rows)
 
 
