@@ -1449,8 +1449,9 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
   // transformers' gathered context read as pages of one slot) it spans
   // pages and its GEMM block widens each run into the block's scratch
   // first (`gathered` below), one GEMM call a block instead of one a page
-  // (pages of one slot ran GEMM calls of one column). The bf16 pair loops
-  // keep blocks within a page (they read bf16 keys and values in place).
+  // (pages of one slot ran GEMM calls of one column). The bf16 pair GEMMs
+  // read a block in place within one page; the plan takes the float GEMMs
+  // over pages smaller than a block (make_plan).
   // Otherwise a block may span pages, and its scores and weights go run by
   // run (the consecutive slots of one page) while the softmax and the
   // output update stay once a block: small pages cost no more rescales

@@ -86,7 +86,12 @@ Plan make_plan(const AttendParams& p, Isa path, int64_t gemm_rows) {
   // bf16 queries over a bf16 cache, keys in place, on AVX512-BF16: the pair loops.
   const bool bf16_pairs = path == Isa::kAvx512Bf16 && p.dtype == AttnDtype::kBFloat16 &&
                           p.kv_format == KvFormat::kPlain && keys_in_place;
-  if (bf16_pairs && plan.chunks == Chunks::kFloat && values_in_place && p.k_stride[2] % 2 == 0) {
+  // Not over pages smaller than a block: the pair GEMMs read a block in
+  // place, so they would stop at every page end (GEMMs of one column over
+  // transformers' gathered pages of one slot), where the float GEMMs gather
+  // a block's runs first (attend_kernel.h, run_task).
+  const bool small_pages = plan.layout == Layout::kPages && p.block_size < kBlock;
+  if (bf16_pairs && plan.chunks == Chunks::kFloat && values_in_place && p.k_stride[2] % 2 == 0 && !small_pages) {
     plan.chunks = Chunks::kBf16Pairs;
   }
   if (bf16_pairs && p.head_dim % 32 == 0) {

@@ -162,6 +162,22 @@ TEST_CASE("make_plan: bf16 pairs only on AVX512-BF16", "[attend_plan]") {
   plan = make_plan(chunk.p, Isa::kAvx512Bf16, 32);
   REQUIRE(plan.chunks == Chunks::kBf16Pairs);
   REQUIRE_FALSE(plan.f32_queries());
+  // Paged chunks: the pair GEMMs over pages of a block or more; over smaller
+  // pages the float GEMMs, which gather a block's runs (float queries too).
+  std::vector<int32_t> table(64, 0);
+  chunk.p.block_table = table.data();
+  chunk.p.bt_stride[0] = 64;
+  chunk.p.bt_stride[1] = 1;
+  chunk.p.block_size = kBlock;
+  REQUIRE(make_plan(chunk.p, Isa::kAvx512Bf16, 32).chunks == Chunks::kBf16Pairs);
+  for (int64_t bs : {1, 16, 48}) {
+    chunk.p.block_size = bs;
+    plan = make_plan(chunk.p, Isa::kAvx512Bf16, 32);
+    REQUIRE(plan.layout == Layout::kPages);
+    REQUIRE(plan.chunks == Chunks::kFloat);
+    REQUIRE(plan.scores == Loops::kBf16Pairs);  // decode blocks keep the pair loops
+    REQUIRE(plan.f32_queries());
+  }
   Call d48(1, 8, 2, 1, 48, 512, {300}, AttnDtype::kBFloat16);  // not a multiple of 32
   REQUIRE(make_plan(d48.p, Isa::kAvx512Bf16, 32).scores == Loops::kFloat);
 }
