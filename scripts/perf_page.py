@@ -306,6 +306,12 @@ def machine_lines(docs: Dict[str, dict]) -> List[str]:
             flags.append("--threads " + " ".join(map(str, a["threads"])))
         if a.get("filled"):
             flags.append("--filled " + " ".join(map(str, a["filled"])))
+        if kind == "generate_batch":  # every axis it was run with (paths left out)
+            for k in ("requests", "dtype", "model", "prompt_min", "prompt_max", "new_tokens", "max_batch_tokens"):
+                v = a.get(k)
+                if v is not None:
+                    shown = " ".join(map(str, v)) if isinstance(v, list) else str(v)
+                    flags.append(f"--{k.replace('_', '-')} {shown}")
         date = doc["env"].get("date", "")
         lines.append(f"python benchmarks/{script} {' '.join(flags)} --json {kind}.json"
                      + (f"   # {date}" if date else ""))
