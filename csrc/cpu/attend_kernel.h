@@ -1559,6 +1559,13 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
     }
     // Runs of consecutive slots in [c0, c1): [j, run_end(j)).
     auto run_end = [&](int64_t j) { return j + std::min(c1 - j, K.run(j)); };
+    // f(j, len) for each run [j, j + len) of [c0, c1).
+    auto each_run = [&](auto&& f) {
+      for (int64_t j = c0, je; j < c1; j = je) {
+        je = run_end(j);
+        f(j, je - j);
+      }
+    };
 
     // A chunk's block (one run, or runs gathered): GEMM micro-kernels over
     // packed keys (and widened values) shared by all its rows, head by head.
@@ -1578,25 +1585,25 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
           // GEMMs over them; each run's scales on its columns.
           float* const kg = sc.kb.data();
           float* const vg = sc.vb.data();
-          for (int64_t j = c0; j < c1; j = run_end(j)) {
-            widen_rows(K.at(j) + h * p.k_stride[1], K.ld, p.k_stride[3], run_end(j) - j, D, Dp, kg + (j - c0) * Dp);
-          }
+          each_run([&](int64_t j, int64_t len) {
+            widen_rows(K.at(j) + h * p.k_stride[1], K.ld, p.k_stride[3], len, D, Dp, kg + (j - c0) * Dp);
+          });
           qk_gemm<FloatScores>(Q + ra * Dp, Dp, static_cast<const float*>(kg), Dp, 1, n, n8, D, Dp, 1.f, rb - ra,
                                S + ra * kBlock, kBlock, nullptr, sc.kt.data(), pf);
           if constexpr (kQuantized) {
-            for (int64_t j = c0; j < c1; j = run_end(j)) {
-              scale_columns(S + (j - c0), ra, rb, run_end(j) - j, KS.at(j) + h * p.ks_stride[1], KS.ld);
-            }
+            each_run([&](int64_t j, int64_t len) {
+              scale_columns(S + (j - c0), ra, rb, len, KS.at(j) + h * p.ks_stride[1], KS.ld);
+            });
           }
           softmax_rows(plan, sc, h * rows, ra, rb, c0, c1, n8);
           if constexpr (kQuantized) {
-            for (int64_t j = c0; j < c1; j = run_end(j)) {
-              scale_columns(S + (j - c0), ra, rb, run_end(j) - j, VS.at(j) + h * p.vs_stride[1], VS.ld);
-            }
+            each_run([&](int64_t j, int64_t len) {
+              scale_columns(S + (j - c0), ra, rb, len, VS.at(j) + h * p.vs_stride[1], VS.ld);
+            });
           }
-          for (int64_t j = c0; j < c1; j = run_end(j)) {
-            widen_rows(V.at(j) + h * p.v_stride[1], V.ld, p.v_stride[3], run_end(j) - j, D, Dp, vg + (j - c0) * Dp);
-          }
+          each_run([&](int64_t j, int64_t len) {
+            widen_rows(V.at(j) + h * p.v_stride[1], V.ld, p.v_stride[3], len, D, Dp, vg + (j - c0) * Dp);
+          });
           pv_gemm<FloatWeights>(S + ra * kBlock, kBlock, static_cast<const float*>(vg), Dp, n, n8, rb - ra, Dp,
                                 O + ra * Dp, Dp, alpha + ra, nullptr, nullptr, pf);
           continue;
@@ -1642,13 +1649,12 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
       return std::pair<int64_t, int64_t>{h * rows + ta * G, h * rows + tb * G};
     };
     auto pieces = [&](auto&& f) {
-      for (int64_t j = c0, je; j < c1; j = je) {
-        je = run_end(j);
-        for (int64_t a = j, e; a < je; a = e) {
-          e = std::min(je, a + piece);
+      each_run([&](int64_t j, int64_t len) {
+        for (int64_t a = j, e; a < j + len; a = e) {
+          e = std::min(j + len, a + piece);
           f(a, e);
         }
-      }
+      });
     };
     // Scores: read in place, or widened into the block's scratch rows and
     // scored once.
@@ -1674,9 +1680,9 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
         qk_block<FloatScores>(Q + ra * Dp, Dp, nullptr, static_cast<const float*>(sc.kb.data()) + h * kBlock * Dp,
                               Dp, Dp, rb - ra, n, S + ra * kBlock, kBlock, nullptr);
         if constexpr (kQuantized) {
-          for (int64_t j = c0; j < c1; j = run_end(j)) {
-            scale_columns(S + (j - c0), ra, rb, run_end(j) - j, KS.at(j) + h * p.ks_stride[1], KS.ld);
-          }
+          each_run([&](int64_t j, int64_t len) {
+            scale_columns(S + (j - c0), ra, rb, len, KS.at(j) + h * p.ks_stride[1], KS.ld);
+          });
         }
       }
       softmax_rows(plan, sc, h * rows, ra, rb, c0, c1, n8);
