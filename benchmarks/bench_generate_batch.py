@@ -276,16 +276,15 @@ def main() -> None:
                     ref = results.get("sdpa")
                     sdpa_rate = next((r["tokens_per_s"] for r in rows[-len(args.attn):]
                                       if r["attn"] == "paged|sdpa"), None)
+                    sdpa_s = n * args.new_tokens / sdpa_rate if sdpa_rate else float("nan")
                     for row in rows[-len(args.attn):]:
                         mine = results[row["attn"].split("|")[1]]
                         row["vs_sdpa"] = row["tokens_per_s"] / sdpa_rate if sdpa_rate else float("nan")
                         # The most any attention could gain over paged|sdpa here: a run at the floor.
-                        row["ceiling_vs_sdpa"] = (n * args.new_tokens / sdpa_rate / floor if sdpa_rate
-                                                  else float("nan"))
+                        row["ceiling_vs_sdpa"] = sdpa_s / floor
                         # The ratio this run would reach with its attention at zero cost and the rest
                         # of the model as measured: the most any attention can gain here without
                         # changing the model's own layers.
-                        sdpa_s = n * args.new_tokens / sdpa_rate if sdpa_rate else float("nan")
                         rest = row["seconds"] - row["attn_s"]
                         row["attn_free_vs_sdpa"] = sdpa_s / rest
                         # ... and with its attention at the attention's floor (its FLOPs at the GEMM
