@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 
 #include "../core/checks.h"
@@ -107,8 +108,18 @@ void check_meta(const at::Tensor& t, const char* name, int64_t rank, const char*
                 const at::Device& dev) {
   check_dense(t, name);
   check_rank(t, rank, name, dims);
-  check_dtype(t, at::kInt, name, "torch.int32");
+  check_dtype(t, at::kInt, name, "dtype");
   check_device(t, dev, name, "the device of q");
+}
+
+// The positions a block table of max_blocks pages of block_size slots can
+// hold, saturated at INT32_MAX (context_lens are int32, so no length
+// exceeds it): max_blocks * block_size of an expand()-ed table with 2^61
+// columns would overflow int64.
+int64_t table_capacity(int64_t max_blocks, int64_t block_size) {
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+  if (block_size <= 0) return 0;
+  return max_blocks > kMax / block_size ? kMax : max_blocks * block_size;
 }
 
 }  // namespace
@@ -276,13 +287,15 @@ PagedRows check_paged_attend(const at::Tensor& q, const at::Tensor& key_pages,
     const int64_t len = row_value(context_lens, s);
     TORCH_CHECK_VALUE(len >= e - a, "context_lens must be >= the sequence's queries (",
                       e - a, ": they are its last tokens), got ", len, " at index ", s);
-    TORCH_CHECK_VALUE(len <= max_blocks * bs, "context_lens must be <= max_blocks * block_size = ",
-                      max_blocks * bs, " (block_table's capacity), got ", len, " at index ", s);
+    TORCH_CHECK_VALUE(len <= table_capacity(max_blocks, bs),
+                      "context_lens must be <= max_blocks * block_size = ", max_blocks * bs,
+                      " (block_table's capacity), got ", len, " at index ", s);
     rows.q_start[s + 1] = e;
     rows.context_lens[s] = len;
     rows.max_q = std::max(rows.max_q, e - a);
-    // The pages of the positions the sequence's queries see.
-    if (len == 0) continue;
+    // The pages of the positions the sequence's queries see (none without
+    // queries: such a sequence's table is never read, on CPU or CUDA).
+    if (len == 0 || e == a) continue;
     const int64_t first = window > 0 ? std::max<int64_t>(0, len - (e - a) - window + 1) : 0;
     const int32_t* table = block_table.const_data_ptr<int32_t>() + s * block_table.stride(0);
     for (int64_t j = first / bs; j <= (len - 1) / bs; ++j) {
@@ -390,7 +403,7 @@ at::Tensor paged_attend(const at::Tensor& q, const at::Tensor& key_pages,
   p.num_kv_heads = key_pages.size(2);
   p.head_dim = key_pages.size(3);
   p.num_heads = q.size(1);
-  p.max_len = block_table.size(1) * key_pages.size(1);
+  p.max_len = detail::table_capacity(block_table.size(1), key_pages.size(1));
   p.scale = static_cast<float>(
       scale.value_or(p.head_dim > 0 ? 1.0 / std::sqrt(double(p.head_dim)) : 1.0));
   p.softcap = static_cast<float>(softcap);

@@ -15,7 +15,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from ._torchscript import make_scriptable
-from .common import INT64_MAX, INT64_MIN, as_int, kv_dtype_of, raise_out_of_range_start
+from .common import INT64_MAX, INT64_MIN, as_int, as_window, kv_dtype_of, raise_out_of_range_start
 from .ring import RingKV, RingLayerCache, attend_ring
 from .config import TransformerConfig
 
@@ -403,11 +403,12 @@ def attend(
             CPU, lengths outside ``[seq, max_len]`` or ``kv_start`` outside
             ``[0, length]``. On CUDA those rows get NaN output instead (no
             read out of bounds).
-        TypeError: Unsupported or mismatched dtypes.
+        TypeError: Unsupported or mismatched dtypes; a ``window`` that is
+            not an int (ValueError: outside int64).
     """
-    window_ = 0 if window is None else window
     softcap_ = 0.0 if softcap is None else softcap
-    if torch.jit.is_scripting():
+    if torch.jit.is_scripting():  # TorchScript's Optional[int] annotation already types window
+        window_ = 0 if window is None else window
         return torch.ops.kvcache.attend(
             q,
             cache.keys,
@@ -421,6 +422,7 @@ def attend(
             v_scale=cache.v_scale,
             sink_logits=sink_logits,
         )
+    window_ = _window_of(window)
     if not isinstance(cache, KVLayerCache):
         return _attend_ring(q, cache, kv_start, scale, window, softcap, sink_logits)
     return _attend_op(
@@ -436,6 +438,11 @@ def attend(
         v_scale=cache.v_scale,
         sink_logits=sink_logits,
     )
+
+
+@torch.jit.unused
+def _window_of(window) -> int:
+    return as_window(window)
 
 
 @torch.jit.unused

@@ -113,6 +113,21 @@ def raise_out_of_range_start(start: int, keys_new, keys) -> None:
     )
 
 
+def as_window(window) -> int:
+    """An attend ``window`` argument as the operators' int (``None``: 0, no window).
+
+    Raises:
+        TypeError: A ``window`` that is not an int (a float, a bool).
+        ValueError: A ``window`` outside int64.
+    """
+    if window is None:
+        return 0
+    w = as_int("window", window)
+    if not INT64_MIN <= w <= INT64_MAX:
+        raise ValueError(f"window must fit in int64 (0: no window), got {w}")
+    return w
+
+
 def as_int(name: str, value) -> int:
     """``value`` as a Python int (anything with ``__index__``, not bool).
 

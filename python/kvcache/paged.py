@@ -25,7 +25,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 
-from .common import kv_dtype_of
+from .common import as_int, as_window, kv_dtype_of
 
 _write_op = torch.ops.kvcache.paged_write_.default
 _attend_op = torch.ops.kvcache.paged_attend.default
@@ -105,7 +105,7 @@ def attend_pages(
         context_lens: ``(num_seqs,)`` int32.
         cu_seqlens_q: ``(num_seqs + 1,)`` int32 offsets of each sequence's queries in ``q``.
         scale: Score scale; ``None`` means ``head_dim ** -0.5``.
-        window: Sliding window (0: none).
+        window: Sliding window (0 or ``None``: none).
         softcap: Scores become ``softcap * tanh(score / softcap)``; ``None`` or 0: none.
         sink_logits: ``(num_heads,)`` float32 learned sink logits (gpt-oss's ``s_aux``), or None.
         key_scales, value_scales: The scales of int8 / fp8 pages (see :func:`write_pages`).
@@ -117,12 +117,23 @@ def attend_pages(
         ValueError: Shapes or devices that do not fit; ``scale`` / ``softcap`` out of range; on
             CPU, ``cu_seqlens_q`` not starting at 0, decreasing or ending beyond ``total_q``,
             ``context_lens`` below a sequence's query count or beyond its table, a page a query
-            sees outside ``[0, num_blocks)`` (all before anything is read).
-        TypeError: Dtypes that do not fit.
+            sees outside ``[0, num_blocks)`` (all before anything is read); a ``window`` outside
+            int64.
+        TypeError: Dtypes that do not fit; a ``window`` that is not an int.
     """
     return _attend_op(q, key_pages, value_pages, block_table, context_lens, cu_seqlens_q,
-                      scale=scale, window=window, softcap=0.0 if softcap is None else softcap,
+                      scale=scale, window=as_window(window), softcap=0.0 if softcap is None else softcap,
                       key_scales=key_scales, value_scales=value_scales, sink_logits=sink_logits)
+
+
+_MAX_SLOTS = 2 ** 31 - 1  # slot numbers and context lengths are int32 in the block-table ops
+
+
+def _positive(name: str, value) -> int:
+    v = as_int(name, value)
+    if v < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {v}")
+    return v
 
 
 @dataclass
@@ -162,10 +173,39 @@ class PagedKVCache:
                             self.value_scales)
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copies pages ``src[i]`` onto pages ``dst[i]`` (int64 ``(n,)``), scales included."""
-        for t in (self.key_pages, self.value_pages, self.key_scales, self.value_scales):
-            if t is not None:
-                t.index_copy_(0, dst, t.index_select(0, src))
+        """Copies pages ``src[i]`` onto pages ``dst[i]``, scales included (all checked first:
+        an error writes nothing).
+
+        Args:
+            src, dst: ``(n,)`` integer page indices in ``[0, num_blocks)``.
+
+        Raises:
+            ValueError: ``src`` and ``dst`` of different shapes or not 1-D, an index outside
+                ``[0, num_blocks)``, or pages and scales that do not share ``num_blocks``.
+            TypeError: ``src`` / ``dst`` not integer tensors.
+        """
+        tensors = [t for t in (self.key_pages, self.value_pages, self.key_scales, self.value_scales)
+                   if t is not None]
+        for name, idx in (("src", src), ("dst", dst)):
+            if not isinstance(idx, torch.Tensor) or idx.dtype.is_floating_point or idx.dtype.is_complex \
+                    or idx.dtype == torch.bool:
+                raise TypeError(f"{name} must be an integer tensor of page indices, got "
+                                f"{getattr(idx, 'dtype', type(idx).__name__)}")
+            if idx.dim() != 1 or idx.shape != src.shape:
+                raise ValueError(f"src and dst must be 1-D of one length, got {tuple(src.shape)} and "
+                                 f"{tuple(dst.shape)}")
+        n = self.num_blocks
+        if any(t.shape[0] != n for t in tensors):
+            raise ValueError("key_pages, value_pages and the scales must have the same num_blocks, got "
+                             f"{[t.shape[0] for t in tensors]}")
+        for name, idx in (("src", src), ("dst", dst)):
+            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+                raise ValueError(f"{name} must hold page indices in [0, num_blocks={n}), got "
+                                 f"{idx.tolist()}")
+        for t in tensors:
+            # One-byte formats by their bytes: index_copy_ has no float8 kernel.
+            b = t.view(torch.uint8) if t.element_size() == 1 else t
+            b.index_copy_(0, dst.to(torch.int64), b.index_select(0, src.to(torch.int64)))
 
 
 def init_paged_cache(
@@ -191,13 +231,15 @@ def init_paged_cache(
         A :class:`PagedKVCache`.
 
     Raises:
-        ValueError: A size below 1.
-        TypeError: An unknown ``kv_dtype``.
+        ValueError: A size below 1, or more than ``2**31 - 1`` slots (``num_blocks *
+            block_size``: slots and lengths are int32 in the ops).
+        TypeError: A size that is not an int; an unknown ``kv_dtype``.
     """
-    for name, v in (("num_blocks", num_blocks), ("block_size", block_size),
-                    ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    num_blocks, block_size, num_kv_heads, head_dim = (
+        _positive(name, v) for name, v in (("num_blocks", num_blocks), ("block_size", block_size),
+                                           ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)))
+    if num_blocks * block_size > _MAX_SLOTS:
+        raise ValueError(f"num_blocks * block_size must be <= 2**31 - 1 slots, got {num_blocks} * {block_size}")
     store = kv_dtype_of(kv_dtype) or dtype
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k = torch.zeros(shape, dtype=store, device=device)
@@ -220,11 +262,16 @@ class BlockAllocator:
     Args:
         num_blocks: Pages in the pool.
         block_size: Slots per page.
+
+    Raises:
+        ValueError: A size below 1, or more than ``2**31 - 1`` slots.
+        TypeError: A size that is not an int.
     """
 
     def __init__(self, num_blocks: int, block_size: int):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+        num_blocks, block_size = _positive("num_blocks", num_blocks), _positive("block_size", block_size)
+        if num_blocks * block_size > _MAX_SLOTS:
+            raise ValueError(f"num_blocks * block_size must be <= 2**31 - 1 slots, got {num_blocks} * {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: List[int] = list(range(num_blocks - 1, -1, -1))
@@ -253,17 +300,24 @@ class BlockAllocator:
         Raises:
             ValueError: ``n < 0``, or appending to a block shared with another sequence (fork
                 copies a shared partial block, so this does not happen through the API).
-            RuntimeError: Out of pages (nothing is allocated then).
+            TypeError: ``n`` not an int.
+            RuntimeError: Out of pages.
+
+        On any error the allocator is unchanged (a new ``seq_id`` is not registered).
         """
+        n = as_int("n", n)
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
-        table = self.tables.setdefault(seq_id, [])
-        length = self.lengths.setdefault(seq_id, 0)
+        table = self.tables.get(seq_id, [])
+        length = self.lengths.get(seq_id, 0)
+        if length + n > _MAX_SLOTS:
+            raise ValueError(f"n must keep {seq_id!r} within 2**31 - 1 tokens, got {length} + {n}")
         need = -(-(length + n) // self.block_size) - len(table)
         if need > len(self._free):
             raise RuntimeError(f"out of pages: {seq_id!r} needs {need} more blocks, {len(self._free)} are free")
-        if length % self.block_size and self._refs[table[-1]] > 1:
+        if n and length % self.block_size and self._refs[table[-1]] > 1:
             raise ValueError(f"the last block of {seq_id!r} is shared; fork() gives a copy")
+        self.tables[seq_id] = table
         for _ in range(need):
             table.append(self._take())
         slots = [table[p // self.block_size] * self.block_size + p % self.block_size
@@ -289,37 +343,54 @@ class BlockAllocator:
 
         Raises:
             KeyError: An unknown ``parent``.
-            ValueError: ``child`` already exists.
+            ValueError: ``child`` already exists; a cache whose pages are not this allocator's
+                geometry (``num_blocks``, ``block_size``).
+            TypeError: ``caches`` not an iterable of :class:`PagedKVCache`.
             RuntimeError: Out of pages.
+
+        On any error the allocator is unchanged and no page is written.
         """
         if child in self.tables:
             raise ValueError(f"sequence {child!r} already exists")
         table = self.tables[parent]
         length = self.lengths[parent]
+        try:
+            caches = list(caches)
+        except TypeError:
+            raise TypeError(f"caches must be an iterable of PagedKVCache, got {type(caches).__name__}") from None
+        for c in caches:
+            if not isinstance(c, PagedKVCache):
+                raise TypeError(f"caches must hold PagedKVCache objects, got {type(c).__name__}")
+            if c.num_blocks != self.num_blocks or c.block_size != self.block_size:
+                raise ValueError(f"caches must have num_blocks={self.num_blocks} pages of block_size="
+                                 f"{self.block_size}, got {c.num_blocks} of {c.block_size}")
         shared = table if length % self.block_size == 0 else table[:-1]
         new = list(shared)
-        for b in shared:
-            self._refs[b] += 1
         if len(shared) < len(table):
             if not self._free:
-                for b in shared:
-                    self._refs[b] -= 1
                 raise RuntimeError("out of pages: fork needs one block for the partial last block")
-            copy = self._take()
-            new.append(copy)
-            src = torch.tensor([table[-1]])
-            dst = torch.tensor([copy])
+            copy = self._free[-1]  # taken only once every copy succeeded
+            src, dst = torch.tensor([table[-1]]), torch.tensor([copy])
             for c in caches:
                 c.copy_blocks(src.to(c.key_pages.device), dst.to(c.key_pages.device))
+            new.append(self._take())
+        for b in shared:
+            self._refs[b] += 1
         self.tables[child] = new
         self.lengths[child] = length
 
     def block_table(self, seq_ids: Sequence, max_blocks: Optional[int] = None,
                     device=None) -> torch.Tensor:
         """``(len(seq_ids), max_blocks)`` int32 block table, -1 padded (``max_blocks`` defaults to
-        the longest table)."""
+        the longest table).
+
+        Raises:
+            KeyError: An unknown sequence.
+            ValueError: ``max_blocks`` below 1 or below a sequence's block count.
+            TypeError: ``max_blocks`` not an int.
+        """
         tables = [self.tables[s] for s in seq_ids]
-        width = max([len(t) for t in tables] + [1]) if max_blocks is None else max_blocks
+        width = max([len(t) for t in tables] + [1]) if max_blocks is None else _positive("max_blocks", max_blocks)
         out = torch.full((len(tables), width), -1, dtype=torch.int32)
         for i, t in enumerate(tables):
             if len(t) > width:

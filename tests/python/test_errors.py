@@ -207,3 +207,15 @@ def test_sparse_and_quantized_rejected(cache):
         torch.ops.kvcache.update_(q, q.clone(), kn, vn, 0)
     with pytest.raises(TypeError, match="dtype must not be a quantized type"):
         torch.ops.kvcache.init_layer_cache(1, 1, 1, 1, dtype=torch.qint8)
+
+
+@pytest.mark.parametrize("window,exc,match", [
+    (1.5, TypeError, "window must be an int, got float"),
+    (True, TypeError, "window must be an int, got bool"),
+    (2 ** 63, ValueError, r"window must fit in int64 \(0: no window\), got 9223372036854775808"),
+])
+def test_attend_window_argument(cache, window, exc, match):
+    """attend's window is checked in Python (the dispatcher's own message names no argument)."""
+    cache = kvcache.update_kv_layer_cache(cache, *new(3), 0)
+    with pytest.raises(exc, match=match):
+        kvcache.attend(torch.randn(B, H, 1, D), cache, window=window)

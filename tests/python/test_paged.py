@@ -113,6 +113,26 @@ def test_attend_padded_batch(dtype, pad):
     assert bool((out == 0).all())
 
 
+def test_table_capacity_does_not_overflow():
+    """A block table expand()-ed to 2**61 columns holds any int32 length: max_blocks * block_size
+    (2**64) must not wrap around into a refusal."""
+    q, kp, vp, table, lens, cu = make_case([5], [1], block_size=8)
+    wide = table[:, :1].expand(1, 2 ** 61)
+    out = attend_pages(q, kp, vp, wide, lens, cu)
+    torch.testing.assert_close(out.double(), reference(q, kp, vp, table, lens, cu), atol=2e-5, rtol=2e-5)
+
+
+def test_sequence_without_queries_reads_no_page():
+    """A sequence with context but no query this step (a request that waits while others run)
+    needs no page: its table row may be all -1, as on CUDA, and the others' outputs are unchanged."""
+    ctx, qlens = [12, 32, 9], [3, 0, 2]
+    q, kp, vp, table, lens, cu = make_case(ctx, qlens, seed=11)
+    ref = reference(q, kp, vp, table, lens, cu)
+    table[1] = -1
+    out = attend_pages(q, kp, vp, table, lens, cu)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("opts", [dict(window=5), dict(softcap=3.0), dict(scale=0.3, window=70),
                                   dict(sink_logits=True), dict(softcap=2.0, window=17, sink_logits=True)])
 def test_attend_options(opts):
@@ -361,13 +381,95 @@ def test_allocator_accounting():
     assert a.free_blocks == 1
     with pytest.raises(RuntimeError, match="out of pages"):
         a.append(1, 5)
-    assert a.free_blocks == 1 and 1 not in a.lengths or a.lengths[1] == 0
+    assert a.free_blocks == 1 and 1 not in a.lengths and 1 not in a.tables  # a refused id is not registered
     a.fork(0, 2)  # 2 full blocks shared, the partial third copied
     assert a.free_blocks == 0
     a.free(0)
     assert a.free_blocks == 1
     a.free(2)
     assert a.free_blocks == 4
+
+
+def _allocator_state(a):
+    return (list(a._free), list(a._refs), {k: list(v) for k, v in a.tables.items()}, dict(a.lengths))
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8", "fp8"])
+def test_fork_copies_the_partial_block_of_every_format(kv_dtype):
+    """The child's partial last block is a byte copy of the parent's (pages and scales), in every
+    page format (index_copy_ has no float8 kernel), and the two then diverge independently."""
+    a = BlockAllocator(6, 4)
+    cache = init_paged_cache(6, 4, 2, 8, torch.float32, kv_dtype=kv_dtype)
+    g = torch.Generator().manual_seed(0)
+    cache.write(torch.randn(6, 2, 8, generator=g), torch.randn(6, 2, 8, generator=g), a.append("p", 6))
+    before = [t.clone() for t in (cache.key_pages, cache.value_pages, cache.key_scales, cache.value_scales)
+              if t is not None]
+    a.fork("p", "c", [cache])
+    src, dst = a.tables["p"][1], a.tables["c"][1]
+    assert a.tables["c"][0] == a.tables["p"][0] and src != dst
+    tensors = [t for t in (cache.key_pages, cache.value_pages, cache.key_scales, cache.value_scales)
+               if t is not None]
+    for t, b in zip(tensors, before):
+        assert torch.equal(t[dst].view(torch.uint8), b[src].view(torch.uint8))  # bit-exact copy
+        keep = [i for i in range(t.shape[0]) if i != dst]
+        assert torch.equal(t[keep].view(torch.uint8), b[keep].view(torch.uint8))  # nothing else written
+
+
+def test_allocator_errors_change_nothing():
+    """A refused append / fork leaves the allocator and the pages as they were: no sequence
+    registered, no reference count raised, no page taken or written."""
+    a = BlockAllocator(4, 4)
+    cache = init_paged_cache(4, 4, 1, 8, torch.float32)
+    cache.key_pages.normal_()
+    a.append("p", 6)
+    state, pages = _allocator_state(a), cache.key_pages.clone()
+    for call, exc, match in [
+        (lambda: a.append("new", 100), RuntimeError, "out of pages"),
+        (lambda: a.append("x", 1.5), TypeError, "n must be an int, got float"),
+        (lambda: a.append("x", -1), ValueError, "n must be >= 0"),
+        (lambda: a.fork("p", "c", None), TypeError, "caches must be an iterable of PagedKVCache"),
+        (lambda: a.fork("p", "c", [cache.key_pages]), TypeError, "caches must hold PagedKVCache"),
+        (lambda: a.fork("p", "c", [init_paged_cache(1, 4, 1, 8, torch.float32)]), ValueError,
+         "caches must have num_blocks=4 pages of block_size=4, got 1 of 4"),
+        (lambda: a.fork("p", "p"), ValueError, "sequence 'p' already exists"),
+        (lambda: a.fork("nobody", "c"), KeyError, "nobody"),
+        (lambda: a.block_table(["p"], max_blocks=0), ValueError, "max_blocks must be an int >= 1, got 0"),
+        (lambda: a.block_table(["p"], max_blocks=1), ValueError, "has 2 blocks, more than max_blocks=1"),
+    ]:
+        with pytest.raises(exc, match=match):
+            call()
+        assert _allocator_state(a) == state
+        assert torch.equal(cache.key_pages, pages)
+    a.free("p")
+    assert a.free_blocks == 4
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda: BlockAllocator(4.5, 4), TypeError, "num_blocks must be an int, got float"),
+    (lambda: BlockAllocator(4, "4"), TypeError, "block_size must be an int, got str"),
+    (lambda: BlockAllocator(0, 4), ValueError, "num_blocks must be an int >= 1, got 0"),
+    (lambda: BlockAllocator(2 ** 16, 2 ** 16), ValueError, r"num_blocks \* block_size must be <= 2\*\*31 - 1"),
+    (lambda: init_paged_cache(2 ** 16, 2 ** 16, 1, 1, torch.float32, device="meta"), ValueError,
+     r"num_blocks \* block_size must be <= 2\*\*31 - 1"),
+    (lambda: init_paged_cache(4, 4.0, 1, 1, torch.float32), TypeError, "block_size must be an int, got float"),
+])
+def test_geometry_errors(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_copy_blocks_checks_before_writing():
+    cache = init_paged_cache(4, 2, 1, 2, torch.float32)
+    cache.key_pages.normal_()
+    before = cache.key_pages.clone()
+    with pytest.raises(ValueError, match=r"dst must hold page indices in \[0, num_blocks=4\), got \[99\]"):
+        cache.copy_blocks(torch.tensor([0]), torch.tensor([99]))
+    with pytest.raises(TypeError, match="src must be an integer tensor"):
+        cache.copy_blocks(torch.tensor([0.0]), torch.tensor([1]))
+    odd = type(cache)(cache.key_pages, torch.zeros(2, 2, 1, 2))
+    with pytest.raises(ValueError, match="must have the same num_blocks"):
+        odd.copy_blocks(torch.tensor([0]), torch.tensor([3]))
+    assert torch.equal(cache.key_pages, before)
 
 
 # ------------------------------------------------------------------- errors ---
@@ -391,11 +493,13 @@ def attend_args(**over):
     ("cu start", "cu_start", ValueError, r"cu_seqlens_q must start at 0, got 1"),
     ("cu end", "cu_end", ValueError, r"cu_seqlens_q must end at most at total_q=3 \(q's first dim\), got 4"),
     ("fewer ctx than q", "ctx_small", ValueError, r"context_lens must be >= the sequence's queries \(2"),
-    ("table dtype", "table64", TypeError, r"block_table must have dtype torch.int32|block_table .*torch.int32"),
+    ("table dtype", "table64", TypeError, r"block_table must have dtype torch.int32 \(no implicit casts\), got torch.int64"),
     ("q dtype", "qbf16", TypeError, r"q is torch.bfloat16 but key_pages are torch.float32"),
     ("q shape", "q4d", ValueError, r"q must be a 3-D tensor"),
     ("scales on plain", "scales", ValueError, r"key_scales and value_scales are the scales of quantized pages"),
     ("scale overflow", "scale", ValueError, r"scale=1e\+38 makes scores overflow float32"),
+    ("window float", "window1.5", TypeError, r"window must be an int, got float"),
+    ("window huge", "window2**63", ValueError, r"window must fit in int64 \(0: no window\), got 9223372036854775808"),
 ])
 def test_attend_errors(name, over, exc, match):
     a = attend_args()
@@ -424,6 +528,10 @@ def test_attend_errors(name, over, exc, match):
         a["value_scales"] = torch.ones(a["key_pages"].shape[:3])
     elif over == "scale":
         a["scale"] = 1e38
+    elif over == "window1.5":
+        a["window"] = 1.5
+    elif over == "window2**63":
+        a["window"] = 2 ** 63
     q = a.pop("q")
     with pytest.raises(exc, match=match):
         attend_pages(q, **a)
