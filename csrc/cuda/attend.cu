@@ -468,13 +468,7 @@ template <typename T, typename TKV, int R>
 void launch_rows(const AttnArgs& a, int64_t smem, dim3 grid,
                  cudaStream_t stream) {
   auto kernel = attend_kernel<T, TKV, R>;
-  // Dynamic + static shared memory above the default 48 KiB needs the
-  // opt-in (the static part is under 1 KiB).
-  if (smem + kStaticSmemBytes > 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-        static_cast<int>(smem)));
-  }
+  allow_dynamic_smem(kernel, smem);
   kernel<<<grid, kThreads, static_cast<size_t>(smem), stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -6,6 +6,8 @@
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
@@ -24,8 +26,34 @@ constexpr int64_t kMinSplitSlots = 64;  // a split covers at least this many slo
 constexpr int64_t kMaxSplits = 64;
 constexpr int kCombineThreads = 128;
 // An upper bound on the attention kernels' static shared memory (per-row
-// scalars).
-constexpr int64_t kStaticSmemBytes = 1024;
+// scalars; the paged kernel's 16-row blocks also hold a tile's page and
+// offset arrays: ptxas reports 1072 bytes for them on sm_80 and sm_90, the
+// others at most 688). The plans leave this much of the opt-in maximum for
+// it, and allow_dynamic_smem checks it against the kernel's real size.
+constexpr int64_t kStaticSmemBytes = 2048;
+
+// Lets `kernel` launch with `smem` bytes of dynamic shared memory. Past the
+// default 48 KiB (static included) that takes the opt-in, set to the most
+// the device allows beside the kernel's static size: the same value on every
+// call, so two host threads launching the kernel with different sizes cannot
+// lower each other's limit. A static size above kStaticSmemBytes (which the
+// plan assumed) is a clear error, not a failed launch.
+template <typename Kernel>
+inline void allow_dynamic_smem(Kernel kernel, int64_t smem) {
+  if (smem + kStaticSmemBytes <= 48 * 1024) return;
+  cudaFuncAttributes attr;
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  int device = 0, optin = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const int64_t static_bytes = static_cast<int64_t>(attr.sharedSizeBytes);
+  TORCH_CHECK(static_bytes <= kStaticSmemBytes && static_bytes + smem <= optin,
+              "kvcache CUDA: a kernel with ", static_bytes, " bytes of static shared memory (planned for at most ",
+              kStaticSmemBytes, ") cannot take ", smem, " bytes of dynamic shared memory on this GPU (",
+              optin, " bytes per block)");
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(optin - static_bytes)));
+}
 
 template <typename TKV>
 constexpr bool kQuantizedKV =

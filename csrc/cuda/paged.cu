@@ -86,8 +86,14 @@ constexpr int kInlineTable = 1024;  // >= 2 * kInlineCheckTokens, a power of two
 constexpr int kQuantWarps = 8;
 constexpr int kGlobalCheckThreads = 256;
 
+// Fibonacci hashing: the top bits of s * 2^32 / phi (mask + 1 a power of
+// two). The low bits of the product depend only on the low bits of s, so
+// slots at the same offset of their pages (a decode step over sequences of
+// equal length) would share a few home entries: 64 probes an insert, where
+// the top bits give about 1.4.
 __device__ __forceinline__ uint32_t slot_hash(int64_t s, uint32_t mask) {
-  return (static_cast<uint32_t>(s) * 2654435761u) & mask;  // s in [0, 2^31)
+  const uint32_t h = static_cast<uint32_t>(s) * 2654435761u;  // s in [0, 2^31)
+  return mask == 0 ? 0u : (h >> __clz(mask)) & mask;
 }
 
 // Inserts slot s (>= 0) into an open-addressing table of mask + 1 entries
@@ -701,10 +707,7 @@ __global__ void __launch_bounds__(kCombineThreads) paged_combine_kernel(const Pa
 template <typename T, typename TKV, int R>
 void launch_paged_rows(const PagedArgs& a, int64_t smem, dim3 grid, cudaStream_t stream) {
   auto kernel = paged_attend_kernel<T, TKV, R>;
-  if (smem + kStaticSmemBytes > 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(smem)));
-  }
+  allow_dynamic_smem(kernel, smem);
   kernel<<<grid, kThreads, static_cast<size_t>(smem), stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -841,7 +844,14 @@ void paged_attend_cuda(const AttendParams& p) {
   // batches split the slots, longer query runs the row tiles.
   const int64_t want = 2 * dev.multiprocessors;
   int64_t splits = 1, slices = 1;
+  const int64_t tiles_max = (a.group * total_q + R - 1) / R;  // any one sequence's row tiles, at most
+  const int64_t by_tiles = (tiles_max + kTilesPerBlock - 1) / kTilesPerBlock;
   if (rows_avg <= R) {
+    // One long query run among decodes (a prefill chunk in a decode batch)
+    // would loop over all its row tiles in one block while the others
+    // finish: slices bound every block's tiles (blocks past a sequence's
+    // tiles return at once).
+    slices = by_tiles;
     if (base < want) {
       splits = (want + base - 1) / base;
       const int64_t by_len = (p.max_len + kMinSplitSlots - 1) / kMinSplitSlots;
@@ -853,14 +863,12 @@ void paged_attend_cuda(const AttendParams& p) {
       if (splits < 1) splits = 1;
     }
   } else {
-    const int64_t tiles_max = (a.group * total_q + R - 1) / R;
     slices = (want + base - 1) / base;
-    const int64_t by_tiles = (tiles_max + kTilesPerBlock - 1) / kTilesPerBlock;
     if (slices < by_tiles) slices = by_tiles;
     if (slices > tiles_max) slices = tiles_max;
-    if (slices > 65535) slices = 65535;
-    if (slices < 1) slices = 1;
   }
+  if (slices > 65535 / splits) slices = 65535 / splits;  // grid.y = splits * slices
+  if (slices < 1) slices = 1;
   a.splits = static_cast<int>(splits);
   a.slices = static_cast<int>(slices);
 
