@@ -12,6 +12,7 @@
 #include "core/typed_op.h"
 
 #include <algorithm>
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -491,6 +492,10 @@ BlockAllocator::BlockAllocator(int64_t num_blocks, int64_t block_size)
   TORCH_CHECK_VALUE(num_blocks >= 1 && block_size >= 1,
                     "num_blocks and block_size must be >= 1, got ", num_blocks, ", ",
                     block_size);
+  // Slots and lengths are int32 in the block-table ops.
+  TORCH_CHECK_VALUE(num_blocks <= std::numeric_limits<int32_t>::max() / block_size,
+                    "num_blocks * block_size must be <= 2**31 - 1 slots, got ", num_blocks, " * ",
+                    block_size);
   // Handed out lowest first (free_ is popped from the back), as the Python allocator.
   for (int64_t b = num_blocks - 1; b >= 0; --b) free_.push_back(b);
   refs_.assign(static_cast<size_t>(num_blocks), 0);
@@ -511,6 +516,14 @@ const std::vector<int64_t>& BlockAllocator::table_of(int64_t seq) const {
 
 at::Tensor BlockAllocator::append(int64_t seq, int64_t n) {
   TORCH_CHECK_VALUE(n >= 0, "n must be >= 0, got ", n);
+  if (contains(seq)) {
+    TORCH_CHECK_VALUE(n <= std::numeric_limits<int32_t>::max() - lengths_.at(seq),
+                      "n must keep sequence ", seq, " within 2**31 - 1 tokens, got ",
+                      lengths_.at(seq), " + ", n);
+  } else {
+    TORCH_CHECK_VALUE(n <= std::numeric_limits<int32_t>::max(), "n must keep sequence ", seq,
+                      " within 2**31 - 1 tokens, got ", n);
+  }
   const bool is_new = !contains(seq);
   std::vector<int64_t>& table = tables_[seq];
   int64_t& length = lengths_[seq];
@@ -550,16 +563,25 @@ void BlockAllocator::fork(int64_t parent, int64_t child, const std::vector<at::T
   const std::vector<int64_t> table = table_of(parent);
   const int64_t length = lengths_.at(parent);
   const bool partial = length % block_size_ != 0;
+  for (size_t i = 0; i < pages.size(); ++i) {
+    TORCH_CHECK_VALUE(pages[i].defined() && pages[i].dim() >= 1 && pages[i].size(0) == num_blocks_,
+                      "pages[", i, "] must be indexed by block along dimension 0 (num_blocks=",
+                      num_blocks_, "), got ",
+                      pages[i].defined() ? pages[i].sizes() : at::IntArrayRef{});
+  }
   if (partial && free_.empty()) {
     throw std::runtime_error("out of pages: fork needs one block for the partial last block");
   }
-  std::vector<int64_t> mine(table.begin(), table.end() - (partial ? 1 : 0));
-  for (int64_t b : mine) ++refs_[b];
+  // Nothing changes until every copy is done: the page is taken after them
+  // (a copy that throws leaves the allocator as it was).
+  const size_t shared = table.size() - (partial ? 1 : 0);
+  std::vector<int64_t> mine(table.begin(), table.begin() + static_cast<std::ptrdiff_t>(shared));
   if (partial) {
-    const int64_t copy = take();
+    const int64_t copy = free_.back();
     for (const at::Tensor& t : pages) t.select(0, copy).copy_(t.select(0, table.back()));
-    mine.push_back(copy);
+    mine.push_back(take());
   }
+  for (size_t i = 0; i < shared; ++i) ++refs_[mine[i]];
   tables_[child] = std::move(mine);
   lengths_[child] = length;
 }

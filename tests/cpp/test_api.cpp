@@ -610,6 +610,18 @@ TEST_CASE("paged caches through the C++ API: allocator, write, attend, fork, fre
   REQUIRE_THROWS_AS(alloc.block_table({42}), c10::ValueError);
   REQUIRE_THROWS_AS(alloc.fork(7, 11), c10::ValueError);
   REQUIRE_THROWS_AS(kvcache::BlockAllocator(0, 8), c10::ValueError);
+  REQUIRE_THROWS_AS(kvcache::BlockAllocator(int64_t{1} << 16, int64_t{1} << 16), c10::ValueError);
+  // A fork refused for a tensor that is not indexed by block changes nothing.
+  {
+    kvcache::BlockAllocator a(4, kBs);
+    a.append(0, kBs + 3);  // one full block, one partial
+    const int64_t free_before = a.free_blocks();
+    REQUIRE_THROWS_AS(a.fork(0, 1, {kp.narrow(0, 0, 2)}), c10::ValueError);
+    REQUIRE_FALSE(a.contains(1));
+    REQUIRE(a.free_blocks() == free_before);
+    a.free(0);
+    REQUIRE(a.free_blocks() == 4);  // no reference left behind by the refused fork
+  }
   // context_lens beyond the table: a ValueError before anything is read.
   REQUIRE_THROWS_AS(kvcache::paged_attend(q.narrow(0, 0, 1), kp, vp, alloc.block_table({7}),
                                           at::tensor({kBs * 2}, at::kInt), at::tensor({0, 1}, at::kInt)),

@@ -469,7 +469,8 @@ KVCACHE_API at::Tensor attend(const at::Tensor& q, const PagedKV& kv,
 /// kvcache.paged.BlockAllocator, for C++ programs.
 class KVCACHE_API BlockAllocator {
  public:
-  /// Throws c10::ValueError unless num_blocks >= 1 and block_size >= 1.
+  /// Throws c10::ValueError unless num_blocks >= 1, block_size >= 1 and
+  /// num_blocks * block_size <= 2^31 - 1 (slots are int32 in the ops).
   BlockAllocator(int64_t num_blocks, int64_t block_size);
 
   int64_t num_blocks() const { return num_blocks_; }
@@ -481,16 +482,18 @@ class KVCACHE_API BlockAllocator {
 
   /// Makes room for n more tokens of seq (a new seq starts empty); returns
   /// their (n,) int64 slot mapping, for paged_write_. Throws c10::ValueError
-  /// for n < 0 or a shared last block, std::runtime_error when out of pages
-  /// (nothing allocated then).
+  /// for n < 0, a length past 2^31 - 1 or a shared last block,
+  /// std::runtime_error when out of pages (on any error nothing is allocated
+  /// and a new seq is not registered).
   at::Tensor append(int64_t seq, int64_t n);
   /// Releases seq's blocks. Throws c10::ValueError for an unknown seq.
   void free(int64_t seq);
   /// child continues from parent's tokens: full blocks shared, a partial
   /// last block copied to a new page of every tensor in pages (each indexed
   /// by block along dimension 0: key / value pages and their scales, of every
-  /// layer). Throws c10::ValueError for an unknown parent or an existing
-  /// child, std::runtime_error when out of pages.
+  /// layer). Throws c10::ValueError for an unknown parent, an existing child
+  /// or a tensor without num_blocks along dimension 0, std::runtime_error
+  /// when out of pages; on any error the allocator is unchanged.
   void fork(int64_t parent, int64_t child, const std::vector<at::Tensor>& pages = {});
   /// (seqs.size(), max_blocks) int32 block table, -1 padded; max_blocks < 0:
   /// the longest table. Throws c10::ValueError for an unknown seq or a table
