@@ -136,6 +136,14 @@ def _positive(name: str, value) -> int:
     return v
 
 
+def _pool(num_blocks, block_size) -> "tuple[int, int]":
+    """A pool's ``(num_blocks, block_size)`` as ints >= 1 of at most ``2**31 - 1`` slots."""
+    num_blocks, block_size = _positive("num_blocks", num_blocks), _positive("block_size", block_size)
+    if num_blocks * block_size > _MAX_SLOTS:
+        raise ValueError(f"num_blocks * block_size must be <= 2**31 - 1 slots, got {num_blocks} * {block_size}")
+    return num_blocks, block_size
+
+
 @dataclass
 class PagedKVCache:
     """One layer's pages (and scales, for int8 / fp8 pages).
@@ -235,11 +243,8 @@ def init_paged_cache(
             block_size``: slots and lengths are int32 in the ops).
         TypeError: A size that is not an int; an unknown ``kv_dtype``.
     """
-    num_blocks, block_size, num_kv_heads, head_dim = (
-        _positive(name, v) for name, v in (("num_blocks", num_blocks), ("block_size", block_size),
-                                           ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)))
-    if num_blocks * block_size > _MAX_SLOTS:
-        raise ValueError(f"num_blocks * block_size must be <= 2**31 - 1 slots, got {num_blocks} * {block_size}")
+    num_blocks, block_size = _pool(num_blocks, block_size)
+    num_kv_heads, head_dim = _positive("num_kv_heads", num_kv_heads), _positive("head_dim", head_dim)
     store = kv_dtype_of(kv_dtype) or dtype
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k = torch.zeros(shape, dtype=store, device=device)
@@ -269,9 +274,7 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int, block_size: int):
-        num_blocks, block_size = _positive("num_blocks", num_blocks), _positive("block_size", block_size)
-        if num_blocks * block_size > _MAX_SLOTS:
-            raise ValueError(f"num_blocks * block_size must be <= 2**31 - 1 slots, got {num_blocks} * {block_size}")
+        num_blocks, block_size = _pool(num_blocks, block_size)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: List[int] = list(range(num_blocks - 1, -1, -1))
@@ -348,7 +351,7 @@ class BlockAllocator:
             TypeError: ``caches`` not an iterable of :class:`PagedKVCache`.
             RuntimeError: Out of pages.
 
-        On any error the allocator is unchanged and no page is written.
+        On any error the allocator is unchanged and no page a sequence owns is written.
         """
         if child in self.tables:
             raise ValueError(f"sequence {child!r} already exists")
