@@ -263,3 +263,72 @@ def test_plain_forward_unchanged():
         paged_fn = model(ids).logits
         model.set_attn_implementation("sdpa")
         torch.testing.assert_close(paged_fn, model(ids).logits, atol=1e-5, rtol=1e-4)
+
+
+@needs_in_place
+def test_steps_under_the_name_kvcache_stay_paged():
+    """A manager that keeps stepping after the model's name went back to "kvcache" (stop(block=False)
+    restores it while the loop still finishes its requests) still runs each step's paged call:
+    the regular "kvcache" attention hands a prepared step to paged|kvcache instead of attending
+    over the packed step as one sequence. (5.18 builds a packed-sequence mask for such a step,
+    which kvcache_mask refuses: an error, not wrong tokens.)"""
+    model = _llama()
+    prompts = _prompts((5, 12, 27, 9))
+    ref = _greedy(model, "sdpa", prompts, 6)
+    model.set_attn_implementation("kvcache")
+    manager = model.init_continuous_batching(generation_config=_gen_config(6),
+                                             continuous_batching_config=_cb_config(max_batch_tokens=8))
+    manager.start()
+    try:
+        manager.add_request(prompts[0], request_id="warm", max_new_tokens=2)
+        assert manager.get_result(timeout=60) is not None
+        model.set_attn_implementation("kvcache")  # what stop() restores mid-run
+        ids = [manager.add_request(p, request_id=f"r{i}", max_new_tokens=6) for i, p in enumerate(prompts)]
+        results = {}
+        while len(results) < len(ids):
+            r = manager.get_result(timeout=60)
+            assert r is not None
+            if r.is_finished():
+                results[r.request_id] = r.generated_tokens
+    finally:
+        manager.stop(block=True, timeout=60)
+    assert [results[i] for i in ids] == ref
+
+
+def test_persistent_manager_refuses_another_attention():
+    """A persistent manager built for "kvcache" allocated no attention mask; reused for sdpa it would
+    attend without one (wrong tokens): a clear error instead, and a fresh manager works."""
+    model = _llama()
+    prompts = _prompts((5, 12))
+    model.set_attn_implementation("kvcache")
+    gc, cb = _gen_config(4), _cb_config()
+    ours = model.generate_batch(prompts, generation_config=gc, continuous_batching_config=cb, progress_bar=False,
+                                persistent_manager=True)
+    model.set_attn_implementation("sdpa")
+    try:
+        with pytest.raises(ValueError, match="built for attn_implementation='kvcache' and cannot run the model as "
+                                             "'sdpa'.*destroy_cached_continuous_batching_manager"):
+            model.generate_batch(prompts, generation_config=gc, continuous_batching_config=cb, progress_bar=False,
+                                 persistent_manager=True)
+    finally:
+        model.destroy_cached_continuous_batching_manager()
+    sdpa = model.generate_batch(prompts, generation_config=gc, continuous_batching_config=cb, progress_bar=False)
+    assert [ours[f"req_{i}"].generated_tokens for i in range(2)] == \
+        [sdpa[f"req_{i}"].generated_tokens for i in range(2)]
+
+
+@needs_in_place
+@pytest.mark.parametrize("name", [hf_paged.CB_ATTN_IMPLEMENTATION, hf_paged.PAGED_ATTN_IMPLEMENTATION])
+def test_paged_names_honour_padding_outside_a_step(name):
+    """Under the continuous-batching names (kept by init_continuous_batching() then stop() without
+    start()), a regular padded generate builds kvcache's masks: left padding is honoured."""
+    model = _llama()
+    prompts = _prompts((3, 9, 6))
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    gc = _gen_config(5)
+    model.set_attn_implementation("sdpa")
+    ref = model.generate(ids, attention_mask=mask, generation_config=gc)
+    model.set_attn_implementation(name)
+    assert torch.equal(model.generate(ids, attention_mask=mask, generation_config=gc), ref)

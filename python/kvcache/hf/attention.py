@@ -149,6 +149,13 @@ def kvcache_attention(
         ValueError: A mask not built by :func:`kvcache_mask`; lengths out of
             range (``attend``'s checks).
     """
+    if "kvcache_paged" in kwargs or ("read_index" in kwargs and kwargs.get("cache") is not None):
+        # A continuous-batching step that reached the model under the name "kvcache" (a manager
+        # still stepping after stop() restored the name): its paged call, as paged|kvcache runs it.
+        from .paged import paged_kvcache_attention
+
+        return paged_kvcache_attention(module, query, key, value, attention_mask, dropout=dropout,
+                                       scaling=scaling, sliding_window=sliding_window, softcap=softcap, **kwargs)
     if dropout and getattr(module, "training", False):
         raise NotImplementedError("attn_implementation='kvcache' is for inference: attention dropout is not supported")
     if is_causal is False or not getattr(module, "is_causal", True):

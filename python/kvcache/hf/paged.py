@@ -421,7 +421,15 @@ def _switch_to_cb_friendly_attn(self, model, *args, **kwargs) -> None:
     """
     original = getattr(model.config, "_attn_implementation", None)
     if original not in IMPLEMENTATIONS:
+        if getattr(self, "_kvcache_built", False):
+            # Its inputs were allocated for paged|kvcache, without the attention mask sdpa and
+            # paged|eager read: reusing them would attend without a mask (wrong tokens).
+            raise ValueError(
+                f"this ContinuousBatchingManager was built for attn_implementation='kvcache' and cannot run "
+                f"the model as {original!r}: call model.destroy_cached_continuous_batching_manager() after "
+                f"switching the attention (or run generate_batch with persistent_manager=False)")
         return _orig_switch(self, model, *args, **kwargs)
+    self._kvcache_built = True
     if original != CB_ATTN_IMPLEMENTATION:
         model.set_attn_implementation(CB_ATTN_IMPLEMENTATION)
         self._original_attn_impl = original
@@ -464,6 +472,16 @@ def install() -> bool:
     if IN_PLACE:
         _orig_update = cache_cls.update
         cache_cls.update = paged_update
+        # Outside a step the paged names are the regular attention (a forward while a manager
+        # runs, or after init_continuous_batching() and stop() without start(), which keeps the CB
+        # name): the masks of "kvcache", so left padding is honoured. 5.24's steps build no mask
+        # for these names (its attn_mask_is_needed); 5.18's build packed-sequence masks through
+        # this interface, which kvcache_mask refuses, so there the names keep no mask function.
+        from ._compat import AttentionMaskInterface
+        from .attention import kvcache_mask
+
+        AttentionMaskInterface.register(PAGED_ATTN_IMPLEMENTATION, kvcache_mask)
+        AttentionMaskInterface.register(CB_ATTN_IMPLEMENTATION, kvcache_mask)
     _orig_switch = manager_cls.switch_to_cb_friendly_attn
     manager_cls.switch_to_cb_friendly_attn = _switch_to_cb_friendly_attn
     _installed = True
