@@ -20,6 +20,11 @@ from .layer import _compiling
 _attend_op = torch.ops.kvcache.attend.default
 
 
+PAGED_STEP = "kvcache_paged"
+"""The forward kwarg under which a continuous-batching step's paged call reaches the attention
+(set by :func:`kvcache.hf.paged.paged_update`)."""
+
+
 def _check_mask_kind(mask_function, local_size, use_vmap, config) -> None:
     if config is not None and not getattr(config, "is_causal", True):
         raise NotImplementedError("attn_implementation='kvcache' supports causal attention only (config.is_causal=False)")
@@ -149,7 +154,7 @@ def kvcache_attention(
         ValueError: A mask not built by :func:`kvcache_mask`; lengths out of
             range (``attend``'s checks).
     """
-    if "kvcache_paged" in kwargs or ("read_index" in kwargs and kwargs.get("cache") is not None):
+    if PAGED_STEP in kwargs or ("read_index" in kwargs and kwargs.get("cache") is not None):
         # A continuous-batching step that reached the model under the name "kvcache" (a manager
         # still stepping after stop() restored the name): its paged call, as paged|kvcache runs it.
         from .paged import paged_kvcache_attention

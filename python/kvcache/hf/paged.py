@@ -43,9 +43,9 @@ from typing import Any, Optional
 
 import torch
 
-from .attention import kvcache_attention
+from .attention import PAGED_STEP, kvcache_attention
 
-MARK = "kvcache_paged"
+MARK = PAGED_STEP
 """The key under which the patched ``PagedAttentionCache.update`` hands a layer's paged call
 (:class:`LayerCall`) to the attention function through the forward's kwargs."""
 
