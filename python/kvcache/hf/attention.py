@@ -24,6 +24,20 @@ PAGED_STEP = "kvcache_paged"
 """The forward kwarg under which a continuous-batching step's paged call reaches the attention
 (set by :func:`kvcache.hf.paged.paged_update`)."""
 
+_paged_attention = None  # kvcache.hf.paged's attention, once installed (set_paged_attention)
+
+
+def set_paged_attention(fn) -> None:
+    """Names the function a continuous-batching step that reaches ``"kvcache"`` is handed to
+    (:func:`kvcache.hf.paged.install` passes ``paged_kvcache_attention``; this module does not
+    import that one, which imports this one).
+
+    Args:
+        fn: An ``AttentionInterface`` function, or ``None``.
+    """
+    global _paged_attention
+    _paged_attention = fn
+
 
 def _check_mask_kind(mask_function, local_size, use_vmap, config) -> None:
     if config is not None and not getattr(config, "is_causal", True):
@@ -154,13 +168,12 @@ def kvcache_attention(
         ValueError: A mask not built by :func:`kvcache_mask`; lengths out of
             range (``attend``'s checks).
     """
-    if PAGED_STEP in kwargs or ("read_index" in kwargs and kwargs.get("cache") is not None):
+    if _paged_attention is not None and (PAGED_STEP in kwargs or
+                                         ("read_index" in kwargs and kwargs.get("cache") is not None)):
         # A continuous-batching step that reached the model under the name "kvcache" (a manager
         # still stepping after stop() restored the name): its paged call, as paged|kvcache runs it.
-        from .paged import paged_kvcache_attention
-
-        return paged_kvcache_attention(module, query, key, value, attention_mask, dropout=dropout,
-                                       scaling=scaling, sliding_window=sliding_window, softcap=softcap, **kwargs)
+        return _paged_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                sliding_window=sliding_window, softcap=softcap, **kwargs)
     if dropout and getattr(module, "training", False):
         raise NotImplementedError("attn_implementation='kvcache' is for inference: attention dropout is not supported")
     if is_causal is False or not getattr(module, "is_causal", True):

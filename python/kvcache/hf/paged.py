@@ -43,7 +43,7 @@ from typing import Any, Optional
 
 import torch
 
-from .attention import PAGED_STEP, kvcache_attention
+from .attention import PAGED_STEP, kvcache_attention, set_paged_attention
 
 MARK = PAGED_STEP
 """The key under which the patched ``PagedAttentionCache.update`` hands a layer's paged call
@@ -454,6 +454,7 @@ def install() -> bool:
 
     AttentionInterface.register(PAGED_ATTN_IMPLEMENTATION, paged_kvcache_attention)
     AttentionInterface.register(CB_ATTN_IMPLEMENTATION, paged_kvcache_attention)
+    set_paged_attention(paged_kvcache_attention)
     if _installed:
         return True
     try:
