@@ -102,6 +102,7 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median reported)")
     args = p.parse_args(argv)
+    time_sdpa = args.packed_sdpa and args.q_len == 1  # the packed SDPA stand-in is a decode step
     device = torch.device(args.device)
     env = common.environment(device)
     print(f"CPU: {env['cpu_model']} | attend ISA path: {env['attend_isa']} | torch {env['torch']}"
@@ -118,7 +119,7 @@ def main(argv=None):
                                                                       args.head_dim, args.max_len, bs, dtype,
                                                                       device=device, q_len=args.q_len)
                         fns = {"contiguous": contiguous, "token_major": token_major, "paged": paged}
-                        if args.packed_sdpa and args.q_len == 1:
+                        if time_sdpa:
                             fns["packed_sdpa"] = packed
                         t = common.measure_many(fns, device, args.min_time, args.rounds)
                         c_us, p_us = t["contiguous"]["median_us"], t["paged"]["median_us"]
@@ -130,14 +131,14 @@ def main(argv=None):
                                    max_len=args.max_len, contiguous_us=c_us, token_major_us=tm_us,
                                    paged_us=p_us, ratio=p_us / c_us, vs_token_major=p_us / tm_us,
                                    paged_spread=common.spread(t["paged"]), vs_first_batch=p_us / first["paged"])
-                        if "packed_sdpa" in fns:
+                        if time_sdpa:
                             s_us = t["packed_sdpa"]["median_us"]
                             row.update(packed_sdpa_us=s_us, sdpa_vs_first_batch=s_us / first["sdpa"])
                         rows.append(row)
     cols = ["threads", "dtype", "block_size", "batch", "q_len", "max_len", "contiguous_us", "token_major_us",
             "paged_us",
             "paged_spread", "ratio", "vs_token_major", "vs_first_batch"]
-    if args.packed_sdpa and args.q_len == 1:
+    if time_sdpa:
         cols += ["packed_sdpa_us", "sdpa_vs_first_batch"]
     what = "decode" if args.q_len == 1 else f"{args.q_len}-token chunk"
     common.print_table(f"{what} attend: paged vs contiguous (median of interleaved rounds)", rows, cols)

@@ -1566,6 +1566,13 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
         f(j, je - j);
       }
     };
+    // Rows [ra, rb) of the block's columns times head h's scales (KS or
+    // VS, head stride hs), run by run.
+    auto scale_runs = [&](const SlotRows<float>& XS, int64_t hs, int64_t h, int64_t ra, int64_t rb) {
+      each_run([&](int64_t j, int64_t len) {
+        scale_columns(S + (j - c0), ra, rb, len, XS.at(j) + h * hs, XS.ld);
+      });
+    };
 
     // A chunk's block (one run, or runs gathered): GEMM micro-kernels over
     // packed keys (and widened values) shared by all its rows, head by head.
@@ -1590,17 +1597,9 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
           });
           qk_gemm<FloatScores>(Q + ra * Dp, Dp, static_cast<const float*>(kg), Dp, 1, n, n8, D, Dp, 1.f, rb - ra,
                                S + ra * kBlock, kBlock, nullptr, sc.kt.data(), pf);
-          if constexpr (kQuantized) {
-            each_run([&](int64_t j, int64_t len) {
-              scale_columns(S + (j - c0), ra, rb, len, KS.at(j) + h * p.ks_stride[1], KS.ld);
-            });
-          }
+          if constexpr (kQuantized) scale_runs(KS, p.ks_stride[1], h, ra, rb);
           softmax_rows(plan, sc, h * rows, ra, rb, c0, c1, n8);
-          if constexpr (kQuantized) {
-            each_run([&](int64_t j, int64_t len) {
-              scale_columns(S + (j - c0), ra, rb, len, VS.at(j) + h * p.vs_stride[1], VS.ld);
-            });
-          }
+          if constexpr (kQuantized) scale_runs(VS, p.vs_stride[1], h, ra, rb);
           each_run([&](int64_t j, int64_t len) {
             widen_rows(V.at(j) + h * p.v_stride[1], V.ld, p.v_stride[3], len, D, Dp, vg + (j - c0) * Dp);
           });
@@ -1679,11 +1678,7 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
       if (!plan.keys_in_place()) {
         qk_block<FloatScores>(Q + ra * Dp, Dp, nullptr, static_cast<const float*>(sc.kb.data()) + h * kBlock * Dp,
                               Dp, Dp, rb - ra, n, S + ra * kBlock, kBlock, nullptr);
-        if constexpr (kQuantized) {
-          each_run([&](int64_t j, int64_t len) {
-            scale_columns(S + (j - c0), ra, rb, len, KS.at(j) + h * p.ks_stride[1], KS.ld);
-          });
-        }
+        if constexpr (kQuantized) scale_runs(KS, p.ks_stride[1], h, ra, rb);
       }
       softmax_rows(plan, sc, h * rows, ra, rb, c0, c1, n8);
     }
