@@ -422,7 +422,7 @@ def attend(
             v_scale=cache.v_scale,
             sink_logits=sink_logits,
         )
-    window_ = _window_of(window)
+    window_ = as_window(window)
     if not isinstance(cache, KVLayerCache):
         return _attend_ring(q, cache, kv_start, scale, window, softcap, sink_logits)
     return _attend_op(
@@ -438,11 +438,6 @@ def attend(
         v_scale=cache.v_scale,
         sink_logits=sink_logits,
     )
-
-
-@torch.jit.unused
-def _window_of(window) -> int:
-    return as_window(window)
 
 
 @torch.jit.unused

@@ -113,6 +113,7 @@ def raise_out_of_range_start(start: int, keys_new, keys) -> None:
     )
 
 
+@torch.jit.unused  # scripted callers pass TorchScript's typed window as it is
 def as_window(window) -> int:
     """An attend ``window`` argument as the operators' int (``None``: 0, no window).
 

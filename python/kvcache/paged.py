@@ -18,13 +18,12 @@ pages and :class:`BlockAllocator` hands out pages to sequences (allocate, free, 
 full blocks). A scheduler (which requests run in a step) is the caller's.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 
+from ._torchscript import make_scriptable
 from .common import as_int, as_window, kv_dtype_of
 
 _write_op = torch.ops.kvcache.paged_write_.default
@@ -66,6 +65,10 @@ def write_pages(
         TypeError: A dtype that does not fit (no implicit casts); scales given with plain pages,
             or left out with int8 / fp8 pages (as ``update_kv_layer_cache`` raises).
     """
+    if torch.jit.is_scripting():
+        torch.ops.kvcache.paged_write_(key_pages, value_pages, key, value, slot_mapping, key_scales=key_scales,
+                                       value_scales=value_scales)
+        return
     _write_op(key_pages, value_pages, key, value, slot_mapping, key_scales=key_scales,
               value_scales=value_scales)
 
@@ -78,7 +81,7 @@ def attend_pages(
     context_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     scale: Optional[float] = None,
-    window: int = 0,
+    window: Optional[int] = 0,
     softcap: Optional[float] = None,
     sink_logits: Optional[torch.Tensor] = None,
     key_scales: Optional[torch.Tensor] = None,
@@ -121,8 +124,14 @@ def attend_pages(
             int64.
         TypeError: Dtypes that do not fit; a ``window`` that is not an int.
     """
+    softcap_ = 0.0 if softcap is None else softcap
+    if torch.jit.is_scripting():  # TorchScript's Optional[int] annotation already types window
+        return torch.ops.kvcache.paged_attend(q, key_pages, value_pages, block_table, context_lens, cu_seqlens_q,
+                                              scale=scale, window=0 if window is None else window, softcap=softcap_,
+                                              key_scales=key_scales, value_scales=value_scales,
+                                              sink_logits=sink_logits)
     return _attend_op(q, key_pages, value_pages, block_table, context_lens, cu_seqlens_q,
-                      scale=scale, window=as_window(window), softcap=0.0 if softcap is None else softcap,
+                      scale=scale, window=as_window(window), softcap=softcap_,
                       key_scales=key_scales, value_scales=value_scales, sink_logits=sink_logits)
 
 
@@ -172,7 +181,7 @@ class PagedKVCache:
                     self.value_scales)
 
     def attend(self, q: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor,
-               cu_seqlens_q: torch.Tensor, scale: Optional[float] = None, window: int = 0,
+               cu_seqlens_q: torch.Tensor, scale: Optional[float] = None, window: Optional[int] = 0,
                softcap: Optional[float] = None,
                sink_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
         """:func:`attend_pages` over this layer's pages; returns ``(total_q, num_heads, dim)``."""
@@ -180,6 +189,7 @@ class PagedKVCache:
                             cu_seqlens_q, scale, window, softcap, sink_logits, self.key_scales,
                             self.value_scales)
 
+    @torch.jit.unused
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copies pages ``src[i]`` onto pages ``dst[i]``, scales included (all checked first:
         an error writes nothing).
@@ -214,6 +224,9 @@ class PagedKVCache:
             # One-byte formats by their bytes: index_copy_ has no float8 kernel.
             b = t.view(torch.uint8) if t.element_size() == 1 else t
             b.index_copy_(0, dst.to(torch.int64), b.index_select(0, src.to(torch.int64)))
+
+
+make_scriptable(PagedKVCache)
 
 
 def init_paged_cache(

@@ -111,7 +111,7 @@ class _Counts:
 
     def __init__(self, monkeypatch):
         self.write = self.attend = self.direct = self.gather = 0
-        write, attend, build = hf_paged._write_pages, hf_paged._attend_pages, hf_paged._build_step
+        write, attend, build = hf_paged.write_pages, hf_paged.attend_pages, hf_paged._build_step
 
         def count_write(*a, **k):
             self.write += 1
@@ -129,8 +129,8 @@ class _Counts:
                 self.direct += 1
             return step
 
-        monkeypatch.setattr(hf_paged, "_write_pages", count_write)
-        monkeypatch.setattr(hf_paged, "_attend_pages", count_attend)
+        monkeypatch.setattr(hf_paged, "write_pages", count_write)
+        monkeypatch.setattr(hf_paged, "attend_pages", count_attend)
         monkeypatch.setattr(hf_paged, "_build_step", count_build)
 
 

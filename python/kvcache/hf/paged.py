@@ -43,6 +43,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..paged import attend_pages, write_pages
 from .attention import PAGED_STEP, kvcache_attention, set_paged_attention
 
 MARK = PAGED_STEP
@@ -68,32 +69,6 @@ layers call ``PagedAttentionCache.update`` before the attention, patched here to
 _installed = False
 _orig_update = None
 _orig_switch = None
-
-
-# --------------------------------------------------------------------------------------------- #
-# The ops (kvcache.paged's wrappers when present, else the raw operators)
-# --------------------------------------------------------------------------------------------- #
-
-def _write_pages(key_pages, value_pages, key, value, slot_mapping):
-    """Writes ``key`` / ``value`` at ``slot_mapping`` into the pages (``kvcache.paged.write_pages``)."""
-    try:
-        from kvcache.paged import write_pages
-    except ImportError:
-        torch.ops.kvcache.paged_write_(key_pages, value_pages, key, value, slot_mapping, None, None)
-        return
-    write_pages(key_pages, value_pages, key, value, slot_mapping)
-
-
-def _attend_pages(q, key_pages, value_pages, block_table, context_lens, cu_seqlens_q, scale, window,
-                  softcap, sink_logits):
-    """Paged varlen attention (``kvcache.paged.attend_pages``)."""
-    try:
-        from kvcache.paged import attend_pages
-    except ImportError:
-        return torch.ops.kvcache.paged_attend(q, key_pages, value_pages, block_table, context_lens, cu_seqlens_q,
-                                              scale, window, float(softcap or 0.0), None, None, sink_logits)
-    return attend_pages(q, key_pages, value_pages, block_table, context_lens, cu_seqlens_q, scale=scale,
-                        window=window, softcap=softcap, sink_logits=sink_logits)
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -372,9 +347,9 @@ def paged_kvcache_attention(
         read_k, read_v = keys.unsqueeze(1), values.unsqueeze(1)
     else:
         write_k, write_v, read_k, read_v = _views(allocator, layer_idx, step.block_size)
-        _write_pages(write_k, write_v, k, v, step.slots)
-    out = _attend_pages(q, read_k, read_v, step.block_table, step.context_lens, step.cu_seqlens_q, scaling,
-                        step.window, softcap, sink_logits)
+        write_pages(write_k, write_v, k, v, step.slots)
+    out = attend_pages(q, read_k, read_v, step.block_table, step.context_lens, step.cu_seqlens_q, scale=scaling,
+                       window=step.window, softcap=softcap, sink_logits=sink_logits)
     return out.unsqueeze(0), None
 
 
@@ -406,8 +381,9 @@ def _attend_gathered(module, query, key, value, scaling, softcap, kwargs: dict):
     width = int(max_k) if max_k is not None else int(k_len.max()) if k_len.numel() else 1
     table = _gathered_table(cu_k, k_len, width)
     q = query[0].transpose(0, 1)
-    out = _attend_pages(q, k.unsqueeze(1), v.unsqueeze(1), table, k_len.to(torch.int32),
-                        kwargs["cu_seq_lens_q"].to(torch.int32), scaling, window, softcap, _sink_logits(kwargs))
+    out = attend_pages(q, k.unsqueeze(1), v.unsqueeze(1), table, k_len.to(torch.int32),
+                       kwargs["cu_seq_lens_q"].to(torch.int32), scale=scaling, window=window, softcap=softcap,
+                       sink_logits=_sink_logits(kwargs))
     return out.unsqueeze(0), None
 
 

@@ -1,0 +1,211 @@
+"""Paged caches in the deployment paths: a continuous-batching layer step (write the step's keys and
+values at their slots, attend over each sequence's pages) with its pages held as module buffers,
+scripted with TorchScript (saved and loaded), exported with torch.export (saved and loaded) and
+compiled with AOTInductor. Each runs a prefill step and a decode step against the float64
+reference over every sequence's keys and values as given (plain pages), and the same as eager
+(int8 pages); bad metadata is refused as in eager, before anything is written."""
+
+import warnings
+from typing import Optional
+
+import pytest
+import torch
+
+from kvcache.paged import BlockAllocator, PagedKVCache, init_paged_cache
+from references import attention_reference
+
+NUM_BLOCKS, BLOCK_SIZE, HEADS, KV_HEADS, DIM, WINDOW = 12, 4, 4, 2, 16, 6
+
+
+class PagedStep(torch.nn.Module):
+    """One attention layer's continuous-batching step over pages held as buffers."""
+
+    def __init__(self, kv_dtype=None):
+        super().__init__()
+        c = init_paged_cache(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, DIM, torch.float32, kv_dtype=kv_dtype)
+        self.register_buffer("key_pages", c.key_pages)
+        self.register_buffer("value_pages", c.value_pages)
+        self.register_buffer("key_scales", c.key_scales)
+        self.register_buffer("value_scales", c.value_scales)
+        self.window = WINDOW
+
+    def forward(self, q, k, v, slots, table, lens, cu):
+        cache = PagedKVCache(self.key_pages, self.value_pages, self.key_scales, self.value_scales)
+        cache.write(k, v, slots)
+        return cache.attend(q, table, lens, cu, window=self.window)
+
+
+def steps():
+    """A prefill step (7 and 5 tokens) then a decode step, laid out by a BlockAllocator; and each
+    sequence's keys and values so far after each step (for the reference)."""
+    g = torch.Generator().manual_seed(4)
+    alloc = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE)
+    alloc.append("a", 1)  # shifts sequence b's pages off the identity
+    alloc.free("a")
+    history = {0: [], 1: []}
+    out = []
+    for qlens in ([7, 5], [1, 1]):
+        slots = torch.cat([alloc.append(s, n) for s, n in enumerate(qlens)])
+        total = sum(qlens)
+        q = torch.randn(total, HEADS, DIM, generator=g)
+        k = torch.randn(total, KV_HEADS, DIM, generator=g)
+        v = torch.randn(total, KV_HEADS, DIM, generator=g)
+        cu = torch.tensor([0, qlens[0], total], dtype=torch.int32)
+        for s in range(2):
+            history[s].append((k[cu[s]:cu[s + 1]], v[cu[s]:cu[s + 1]]))
+        kv = {s: (torch.cat([a for a, _ in history[s]]), torch.cat([b for _, b in history[s]])) for s in range(2)}
+        args = (q, k, v, slots, alloc.block_table([0, 1]), alloc.context_lens([0, 1]), cu)
+        out.append((args, kv))
+    return out
+
+
+def reference(args, kv):
+    q, _, _, _, _, lens, cu = args
+    ref = torch.zeros(q.shape, dtype=torch.float64)
+    for s in range(2):
+        a, e = int(cu[s]), int(cu[s + 1])
+        keys, values = (t.permute(1, 0, 2)[None] for t in kv[s])
+        ref[a:e] = attention_reference(q[a:e].permute(1, 0, 2)[None], keys, values, lens[s], window=WINDOW)[0] \
+            .permute(1, 0, 2)
+    return ref
+
+
+def script(module):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TorchScript is deprecated in recent torch
+        return torch.jit.script(module)
+
+
+def bad_table(args):
+    """The decode step with sequence 1's last page out of range."""
+    q, k, v, slots, table, lens, cu = args
+    table = table.clone()
+    table[1, (int(lens[1]) - 1) // BLOCK_SIZE] = NUM_BLOCKS
+    return (q, k, v, slots, table, lens, cu)
+
+
+def scripted(module, tmp_path):
+    path = tmp_path / "paged_step.pt"
+    script(module).save(str(path))
+    return torch.jit.load(str(path))
+
+
+def export(module):
+    """The step exported for any number of tokens (prefill and decode steps: one program)."""
+    tokens = torch.export.Dim("tokens", min=2, max=4096)
+    dims = ({0: tokens}, {0: tokens}, {0: tokens}, {0: tokens}, None, None, None)
+    return torch.export.export(module, steps()[0][0], dynamic_shapes=dims)
+
+
+def exported(module, tmp_path):
+    path = tmp_path / "paged_step.pt2"
+    torch.export.save(export(module), path)
+    return torch.export.load(path).module()
+
+
+def aoti(module, tmp_path):
+    ep = export(module)
+    package = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "paged_step_aoti.pt2"))
+    return torch._inductor.aoti_load_package(package)
+
+
+def zero_pages(module):
+    for name, buf in module.named_buffers():
+        buf.fill_(1 if "scales" in name else 0)
+
+
+PATHS = {"script": scripted, "export": exported}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_deployed_step_matches_the_reference(path, tmp_path):
+    module = PATHS[path](PagedStep(), tmp_path)
+    zero_pages(module)
+    with torch.no_grad():
+        for args, kv in steps():
+            torch.testing.assert_close(module(*args).double(), reference(args, kv), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_deployed_int8_step_equals_eager(path, tmp_path):
+    eager = PagedStep("int8")
+    module = PATHS[path](PagedStep("int8"), tmp_path)
+    zero_pages(module)
+    with torch.no_grad():
+        for args, kv in steps():
+            out = module(*args)
+            assert torch.equal(out, eager(*args))
+            # int8 pages: within the quantization's error of the reference
+            torch.testing.assert_close(out.double(), reference(args, kv), atol=0.05, rtol=0.05)
+    for name, buf in eager.named_buffers():
+        assert torch.equal(dict(module.named_buffers())[name], buf), name
+
+
+def test_exported_step_mutates_exactly_the_pages():
+    ep = export(PagedStep("int8"))
+    ops = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+    assert any("kvcache.paged_write_" in o for o in ops) and any("kvcache.paged_attend" in o for o in ops)
+    mutated = ep.run_decompositions().graph_signature.buffers_to_mutate
+    assert sorted(mutated.values()) == ["key_pages", "key_scales", "value_pages", "value_scales"]
+
+
+# What each path raises for an op's ValueError: TorchScript's interpreter and AOTInductor's proxy
+# executor re-raise every op error as a RuntimeError carrying the op's message.
+RAISES = {"script": RuntimeError, "export": ValueError, "aoti": RuntimeError}
+
+
+@pytest.mark.parametrize("path", sorted(RAISES))
+def test_deployed_step_refuses_bad_metadata_as_eager(path, tmp_path):
+    """A page index out of range: the attend raises eager's error before reading anything (the
+    step's write, a separate op, ran before it, as in eager)."""
+    (prefill, _), (decode, kv) = steps()
+    eager = PagedStep()
+    if path == "aoti":
+        module = aoti(PagedStep(), tmp_path)  # its own copy of the pages, zero
+    else:
+        module = PATHS[path](PagedStep(), tmp_path)
+        zero_pages(module)
+    with torch.no_grad():
+        eager(*prefill)
+        module(*prefill)
+        with pytest.raises(ValueError) as expected:
+            eager(*bad_table(decode))
+        with pytest.raises(RAISES[path]) as got:
+            module(*bad_table(decode))
+    assert "block_table" in str(expected.value)
+    assert str(expected.value).splitlines()[0] in str(got.value)
+    # The refused step left the pages as eager's: the good decode step still gives the reference.
+    with torch.no_grad():
+        torch.testing.assert_close(module(*decode).double(), reference(decode, kv), atol=1e-4, rtol=1e-4)
+
+
+def test_aoti_package_runs_the_step(tmp_path):
+    """AOTInductor compiles the step to C++; the ops are called through the dispatcher."""
+    runner = aoti(PagedStep(), tmp_path)
+    with torch.no_grad():
+        for args, kv in steps():
+            torch.testing.assert_close(runner(*args).double(), reference(args, kv), atol=1e-4, rtol=1e-4)
+
+
+def test_scripted_paged_wrappers_call_the_ops():
+    from kvcache.paged import attend_pages, write_pages
+
+    assert "kvcache::paged_write_" in str(script(write_pages).graph)
+    assert "kvcache::paged_attend" in str(script(attend_pages).graph)
+
+
+def test_scripted_attend_takes_no_window_as_none():
+    from kvcache.paged import attend_pages
+
+    def step(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
+             cu: torch.Tensor, window: Optional[int]) -> torch.Tensor:
+        return attend_pages(q, kp, vp, table, lens, cu, window=window)
+
+    (prefill, kv), _ = steps()
+    module = PagedStep()
+    with torch.no_grad():
+        module(*prefill)
+    q, _, _, _, table, lens, cu = prefill
+    fn = script(step)
+    out = fn(q, module.key_pages, module.value_pages, table, lens, cu, None)
+    assert torch.equal(out, attend_pages(q, module.key_pages, module.value_pages, table, lens, cu))
