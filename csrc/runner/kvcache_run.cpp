@@ -1,22 +1,33 @@
-// kvcache_run: greedy generation from a TorchScript model, in C++ only.
+// kvcache_run: greedy generation from a TorchScript model or an AOTInductor
+// package, in C++ only.
 //
 //   kvcache_run MODEL.pt PROMPT.pt NEW_TOKENS OUT.pt
+//   kvcache_run STEP.pt2 PROMPT.pt NEW_TOKENS OUT.pt
 //
 // MODEL.pt is a scripted kvcache.models.StatefulDecoder (or any module with
 // forward(tokens: Tensor[B, S] int64) -> logits Tensor[B, S, V] that keeps
-// its own KV cache and advances it). PROMPT.pt holds a (B, S)
-// int64 tensor saved with torch.save. OUT.pt receives, readable with
-// torch.load, a tuple (tokens (B, NEW_TOKENS) int64, logits (B, NEW_TOKENS, V)
-// float32): the greedy tokens and the logits that chose them.
+// its own KV cache and advances it). STEP.pt2 (the name ends in .pt2) is an
+// AOTInductor package of such a module's single-token decode step
+// (torch.export of forward(tokens[B, 1]), then
+// torch._inductor.aoti_compile_and_package): the package keeps the cache
+// buffers as its own state, and the prompt is fed to it one token a step.
+// PROMPT.pt holds a (B, S) int64 tensor saved with torch.save. OUT.pt
+// receives, readable with torch.load, a tuple (tokens (B, NEW_TOKENS) int64,
+// logits (B, NEW_TOKENS, V) float32): the greedy tokens and the logits that
+// chose them.
 //
-// The model calls torch.ops.kvcache.* through the dispatcher only, so this
-// program references no kvcache symbol; it is linked with --no-as-needed
-// (CMakeLists.txt) so the library still loads and registers the operators.
+// Both call torch.ops.kvcache.* through the dispatcher only (the package
+// through AOTInductor's proxy executor), so this program references no
+// kvcache symbol; it is linked with --no-as-needed (CMakeLists.txt) so the
+// library still loads and registers the operators.
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/script.h>
 
 #include <cstdlib>
 #include <fstream>
+#include <functional>
+#include <memory>
 #include <iostream>
 #include <iterator>
 #include <string>
@@ -40,7 +51,7 @@ void write_file(const std::string& path, const std::vector<char>& bytes) {
 
 int main(int argc, char** argv) {
   if (argc != 5) {
-    std::cerr << "usage: " << argv[0] << " MODEL.pt PROMPT.pt NEW_TOKENS OUT.pt\n";
+    std::cerr << "usage: " << argv[0] << " MODEL.pt|STEP.pt2 PROMPT.pt NEW_TOKENS OUT.pt\n";
     return 2;
   }
   try {
@@ -51,23 +62,42 @@ int main(int argc, char** argv) {
     if (!c10::Dispatcher::singleton().findSchema({"kvcache::append_", ""})) {
       throw std::runtime_error("kvcache operators are not registered (link with --no-as-needed)");
     }
-    torch::jit::Module model = torch::jit::load(model_path);
-    model.eval();
     const at::Tensor prompt = torch::jit::pickle_load(read_file(prompt_path)).toTensor();
     if (prompt.dim() != 2 || prompt.scalar_type() != at::kLong) {
       throw std::invalid_argument("PROMPT.pt must hold a (batch, seq) int64 tensor");
     }
 
+    // One call of the model: tokens (B, S) -> logits (B, S, V).
+    std::function<at::Tensor(const at::Tensor&)> step;
+    const bool is_package = model_path.size() > 4 && model_path.compare(model_path.size() - 4, 4, ".pt2") == 0;
+    if (is_package) {
+      auto package = std::make_shared<torch::inductor::AOTIModelPackageLoader>(model_path);
+      step = [package](const at::Tensor& tokens) {
+        std::vector<at::Tensor> out = package->run({tokens});
+        if (out.size() != 1) throw std::runtime_error("the package must return one tensor (the logits)");
+        return out[0];
+      };
+    } else {
+      auto scripted = std::make_shared<torch::jit::Module>(torch::jit::load(model_path));
+      scripted->eval();
+      step = [scripted](const at::Tensor& tokens) { return scripted->forward({tokens}).toTensor(); };
+    }
+
     torch::InferenceMode guard;
-    at::Tensor logits = model.forward({prompt}).toTensor();
+    at::Tensor logits;
+    if (is_package) {  // a single-token step: the prompt one token at a time
+      for (int64_t i = 0; i < prompt.size(1); ++i) logits = step(prompt.narrow(1, i, 1).contiguous());
+    } else {
+      logits = step(prompt);
+    }
     at::Tensor last = logits.select(1, -1);
     std::vector<at::Tensor> tokens, chosen;
-    for (long step = 0; step < new_tokens; ++step) {
+    for (long i = 0; i < new_tokens; ++i) {
       at::Tensor token = last.argmax(-1);
       tokens.push_back(token);
       chosen.push_back(last);
-      if (step + 1 == new_tokens) break;
-      logits = model.forward({token.unsqueeze(1)}).toTensor();
+      if (i + 1 == new_tokens) break;
+      logits = step(token.unsqueeze(1));
       last = logits.select(1, 0);
     }
     // A plain tuple, so torch.load(weights_only=True) reads it.

@@ -1,6 +1,8 @@
-"""torch.export and AOTInductor of the decode step."""
+"""torch.export and AOTInductor of the decode step (the package also run from C++ by kvcache_run)."""
 
 from __future__ import annotations
+
+import subprocess
 
 import pytest
 import torch
@@ -34,7 +36,9 @@ def eager_steps(model, tokens):
 def exported(model, tokens):
     step = StatefulDecoder(model, batch_size=BATCH)
     with torch.no_grad():  # an inference graph: kvcache ops refuse inputs that require grad
-        return torch.export.export(step, (tokens[:, :1],))
+        # A contiguous example: an AOTInductor package assumes its example inputs' strides (it
+        # does not check them), and kvcache_run feeds contiguous (batch, 1) tokens.
+        return torch.export.export(step, (tokens[:, :1].contiguous(),))
 
 
 def empty_caches(exported):
@@ -103,6 +107,28 @@ def test_aoti_package_runs_with_the_ops(model, tokens, exported, tmp_path):
     ref = eager_steps(model, tokens)
     with torch.no_grad():
         for i in range(STEPS):
-            out = runner(tokens[:, i : i + 1])
+            out = runner(tokens[:, i : i + 1].contiguous())
             # Inductor fuses differently from eager: equal to float32 rounding, not bit for bit
             torch.testing.assert_close(out, ref[i], rtol=1e-4, atol=1e-4)
+
+
+def test_cpp_runner_runs_the_aoti_package(model, exported, tmp_path):
+    """kvcache_run loads the AOTInductor package in C++ (AOTIModelPackageLoader), feeds it the
+    prompt one token a step and decodes greedily: the tokens of eager generation, the logits to
+    float32 rounding (Inductor fuses differently from eager)."""
+    from test_torchscript import eager_generate, find_or_build_runner
+
+    runner = find_or_build_runner()
+    package = torch._inductor.aoti_compile_and_package(empty_caches(exported),
+                                                       package_path=str(tmp_path / "step.pt2"))
+    prompt = torch.randint(0, CFG.vocab_size, (BATCH, 5), generator=torch.Generator().manual_seed(7))
+    torch.save(prompt, tmp_path / "prompt.pt")
+    new_tokens = 6
+    out = tmp_path / "out.pt"
+    proc = subprocess.run([runner, package, str(tmp_path / "prompt.pt"), str(new_tokens), str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    tokens, logits = torch.load(out)
+    ref_tokens, ref_logits = eager_generate(model, prompt, new_tokens)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
