@@ -27,9 +27,9 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
-#include <memory>
 #include <iostream>
 #include <iterator>
+#include <memory>
 #include <string>
 #include <vector>
 

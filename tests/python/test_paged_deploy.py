@@ -109,18 +109,12 @@ def aoti(module, tmp_path):
     return torch._inductor.aoti_load_package(package)
 
 
-def zero_pages(module):
-    for name, buf in module.named_buffers():
-        buf.fill_(1 if "scales" in name else 0)
-
-
 PATHS = {"script": scripted, "export": exported}
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_deployed_step_matches_the_reference(path, tmp_path):
     module = PATHS[path](PagedStep(), tmp_path)
-    zero_pages(module)
     with torch.no_grad():
         for args, kv in steps():
             torch.testing.assert_close(module(*args).double(), reference(args, kv), atol=2e-5, rtol=2e-5)
@@ -130,7 +124,6 @@ def test_deployed_step_matches_the_reference(path, tmp_path):
 def test_deployed_int8_step_equals_eager(path, tmp_path):
     eager = PagedStep("int8")
     module = PATHS[path](PagedStep("int8"), tmp_path)
-    zero_pages(module)
     with torch.no_grad():
         for args, kv in steps():
             out = module(*args)
@@ -160,11 +153,7 @@ def test_deployed_step_refuses_bad_metadata_as_eager(path, tmp_path):
     step's write, a separate op, ran before it, as in eager)."""
     (prefill, _), (decode, kv) = steps()
     eager = PagedStep()
-    if path == "aoti":
-        module = aoti(PagedStep(), tmp_path)  # its own copy of the pages, zero
-    else:
-        module = PATHS[path](PagedStep(), tmp_path)
-        zero_pages(module)
+    module = (aoti if path == "aoti" else PATHS[path])(PagedStep(), tmp_path)
     with torch.no_grad():
         eager(*prefill)
         module(*prefill)
