@@ -198,3 +198,80 @@ def test_scripted_attend_takes_no_window_as_none():
     fn = script(step)
     out = fn(q, module.key_pages, module.value_pages, table, lens, cu, None)
     assert torch.equal(out, attend_pages(q, module.key_pages, module.value_pages, table, lens, cu))
+
+
+def batches():
+    """Continuous-batching steps over a BlockAllocator: requests join (a prefill) and leave
+    between steps, so the token count, the sequence count and the table width change every step.
+    Yields each step's args and each of its sequences' keys and values so far."""
+    plan = [{"a": 6, "b": 3}, {"a": 1, "b": 1, "c": 4}, {"a": 1, "c": 1}, {"a": 1, "c": 1, "d": 9},
+            {"c": 1, "d": 1}, {"a": 2, "d": 1, "e": 3}]
+    g = torch.Generator().manual_seed(9)
+    alloc = BlockAllocator(NUM_BLOCKS * 2, BLOCK_SIZE)
+    history = {}
+    for step in plan:
+        for gone in [r for r in history if r not in step]:
+            alloc.free(gone)
+            del history[gone]
+        seqs = list(step)
+        slots = torch.cat([alloc.append(r, step[r]) for r in seqs])
+        total = len(slots)
+        q = torch.randn(total, HEADS, DIM, generator=g)
+        k = torch.randn(total, KV_HEADS, DIM, generator=g)
+        v = torch.randn(total, KV_HEADS, DIM, generator=g)
+        cu = torch.tensor([0] + torch.tensor([step[r] for r in seqs]).cumsum(0).tolist(), dtype=torch.int32)
+        for i, r in enumerate(seqs):
+            ks, vs = history.get(r, (k[:0], v[:0]))
+            history[r] = (torch.cat([ks, k[cu[i]:cu[i + 1]]]), torch.cat([vs, v[cu[i]:cu[i + 1]]]))
+        yield (q, k, v, slots, alloc.block_table(seqs), alloc.context_lens(seqs), cu), \
+            {i: history[r] for i, r in enumerate(seqs)}
+
+
+def test_compiled_step_serves_changing_batches_without_recompiling():
+    """torch.compile(fullgraph=True) of the step with the sizes that change between steps marked
+    dynamic (the token count, the sequence count, the table width): one compilation serves every
+    step (fail_on_recompile after the first), and each step attends as the float64 reference.
+    Only those sizes: with dynamic=True every size is a symbol, and dynamo's duck sizing ties
+    sizes equal in the first step together (its 2 sequences with the 2 KV heads, which the pages
+    then fix), so a step with 3 sequences recompiled."""
+    module = PagedStep()
+    module.key_pages = torch.zeros(NUM_BLOCKS * 2, BLOCK_SIZE, KV_HEADS, DIM)
+    module.value_pages = torch.zeros(NUM_BLOCKS * 2, BLOCK_SIZE, KV_HEADS, DIM)
+    torch._dynamo.reset()
+    compiled = torch.compile(module, fullgraph=True)
+    # (argument, dim) of each size that varies: q, k, v, slots by tokens; table, lens, cu by sequences.
+    varying = [(0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (4, 1), (5, 0), (6, 0)]
+    for i, (args, kv) in enumerate(batches()):
+        for a, d in varying:
+            torch._dynamo.mark_dynamic(args[a], d)
+        with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile" if i else "default"):
+            out = compiled(*args)
+        ref = torch.zeros(out.shape, dtype=torch.float64)
+        q, cu, lens = args[0], args[6], args[5]
+        for s in range(len(kv)):
+            a, e = int(cu[s]), int(cu[s + 1])
+            keys, values = (t.permute(1, 0, 2)[None] for t in kv[s])
+            ref[a:e] = attention_reference(q[a:e].permute(1, 0, 2)[None], keys, values, lens[s],
+                                           window=WINDOW)[0].permute(1, 0, 2)
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5, msg=f"step {i}")
+
+
+@torch.no_grad()
+def test_inductor_writes_the_module_pages_in_place():
+    """The generated code hands the module's own pages to the write: no page-sized buffer is
+    allocated, nothing is cloned, and the step's keys land in the module's pages."""
+    from torch._inductor.utils import run_and_get_code
+
+    module = PagedStep("int8")
+    pages = (module.key_pages.data_ptr(), module.value_pages.data_ptr())
+    torch._dynamo.reset()
+    (args, _), _ = steps()
+    _, codes = run_and_get_code(torch.compile(module, fullgraph=True), *args)
+    code = "\n".join(codes)
+    assert "torch.ops.kvcache.paged_write_" in code and "torch.ops.kvcache.paged_attend" in code, code
+    page_shape = f"({NUM_BLOCKS}, {BLOCK_SIZE}, {KV_HEADS}, {DIM})"
+    assert not [line for line in code.splitlines() if "empty_strided" in line and page_shape in line]
+    assert "aten.clone" not in code and ".clone(" not in code
+    assert (module.key_pages.data_ptr(), module.value_pages.data_ptr()) == pages
+    slots = args[3]
+    assert torch.count_nonzero(module.key_pages.view(-1, KV_HEADS, DIM)[slots]) > 0
