@@ -10,7 +10,9 @@
 // AOTInductor package of such a module's single-token decode step
 // (torch.export of forward(tokens[B, 1]), then
 // torch._inductor.aoti_compile_and_package): the package keeps the cache
-// buffers as its own state, and the prompt is fed to it one token a step.
+// buffers as its own state, and the prompt is fed to it one token a step;
+// its inputs are checked against the shapes and dtypes it was compiled for
+// (AOTI_RUNTIME_CHECK_INPUTS), so a prompt of another batch size is refused.
 // PROMPT.pt holds a (B, S) int64 tensor saved with torch.save. OUT.pt
 // receives, readable with torch.load, a tuple (tokens (B, NEW_TOKENS) int64,
 // logits (B, NEW_TOKENS, V) float32): the greedy tokens and the logits that
@@ -56,23 +58,36 @@ int main(int argc, char** argv) {
   }
   try {
     const std::string model_path = argv[1], prompt_path = argv[2], out_path = argv[4];
-    const long new_tokens = std::stol(argv[3]);
-    if (new_tokens < 1) throw std::invalid_argument("NEW_TOKENS must be >= 1");
+    const std::string count = argv[3];
+    size_t parsed = 0;
+    long new_tokens = 0;
+    try {
+      new_tokens = std::stol(count, &parsed);
+    } catch (const std::exception&) {
+      parsed = 0;
+    }
+    if (parsed == 0 || parsed != count.size() || new_tokens < 1) {
+      throw std::invalid_argument("NEW_TOKENS must be an integer >= 1, got '" + count + "'");
+    }
 
     if (!c10::Dispatcher::singleton().findSchema({"kvcache::append_", ""})) {
       throw std::runtime_error("kvcache operators are not registered (link with --no-as-needed)");
     }
     const at::Tensor prompt = torch::jit::pickle_load(read_file(prompt_path)).toTensor();
-    if (prompt.dim() != 2 || prompt.scalar_type() != at::kLong) {
-      throw std::invalid_argument("PROMPT.pt must hold a (batch, seq) int64 tensor");
+    if (prompt.dim() != 2 || prompt.scalar_type() != at::kLong || prompt.size(0) < 1 || prompt.size(1) < 1) {
+      throw std::invalid_argument("PROMPT.pt must hold a (batch, seq) int64 tensor, batch and seq >= 1");
     }
 
-    // One call of the model: tokens (B, S) -> logits (B, S, V).
-    std::function<at::Tensor(const at::Tensor&)> step;
+    // One call of the model: tokens (B, S) -> logits (B, S, V), checked.
+    std::function<at::Tensor(const at::Tensor&)> call;
     const bool is_package = model_path.size() > 4 && model_path.compare(model_path.size() - 4, 4, ".pt2") == 0;
     if (is_package) {
+      // The package checks each input's shape and dtype against what it was compiled for (a
+      // batch other than the export's would read past the token buffer): the generated code
+      // reads this once, at its first run.
+      setenv("AOTI_RUNTIME_CHECK_INPUTS", "1", 0);
       auto package = std::make_shared<torch::inductor::AOTIModelPackageLoader>(model_path);
-      step = [package](const at::Tensor& tokens) {
+      call = [package](const at::Tensor& tokens) {
         std::vector<at::Tensor> out = package->run({tokens});
         if (out.size() != 1) throw std::runtime_error("the package must return one tensor (the logits)");
         return out[0];
@@ -80,13 +95,27 @@ int main(int argc, char** argv) {
     } else {
       auto scripted = std::make_shared<torch::jit::Module>(torch::jit::load(model_path));
       scripted->eval();
-      step = [scripted](const at::Tensor& tokens) { return scripted->forward({tokens}).toTensor(); };
+      call = [scripted](const at::Tensor& tokens) { return scripted->forward({tokens}).toTensor(); };
     }
+    auto step = [&call](const at::Tensor& tokens) {
+      at::Tensor logits = call(tokens);
+      if (logits.dim() != 3 || logits.size(0) != tokens.size(0) || logits.size(1) != tokens.size(1) ||
+          logits.size(2) < 1) {
+        throw std::runtime_error("the model must return logits (batch=" + std::to_string(tokens.size(0)) +
+                                 ", seq=" + std::to_string(tokens.size(1)) + ", vocab), got " +
+                                 c10::str(logits.sizes()));
+      }
+      return logits;
+    };
 
     torch::InferenceMode guard;
     at::Tensor logits;
     if (is_package) {  // a single-token step: the prompt one token at a time
-      for (int64_t i = 0; i < prompt.size(1); ++i) logits = step(prompt.narrow(1, i, 1).contiguous());
+      // Fresh (B, 1) tensors: contiguous() keeps a (1, 1) slice's strides, which the package
+      // refuses.
+      for (int64_t i = 0; i < prompt.size(1); ++i) {
+        logits = step(prompt.narrow(1, i, 1).clone(at::MemoryFormat::Contiguous));
+      }
     } else {
       logits = step(prompt);
     }
@@ -105,6 +134,9 @@ int main(int argc, char** argv) {
     write_file(out_path, torch::jit::pickle_save(c10::IValue(result)));
     std::cout << "kvcache_run: " << new_tokens << " tokens x " << prompt.size(0) << " rows -> "
               << out_path << "\n";
+  } catch (const c10::Error& e) {  // the message without the C++ backtrace
+    std::cerr << "kvcache_run: " << e.what_without_backtrace() << "\n";
+    return 1;
   } catch (const std::exception& e) {
     std::cerr << "kvcache_run: " << e.what() << "\n";
     return 1;

@@ -136,6 +136,7 @@ def attend_pages(
 
 
 _MAX_SLOTS = 2 ** 31 - 1  # slot numbers and context lengths are int32 in the block-table ops
+_MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _positive(name: str, value) -> int:
@@ -199,7 +200,8 @@ class PagedKVCache:
 
         Raises:
             ValueError: ``src`` and ``dst`` of different shapes or not 1-D, an index outside
-                ``[0, num_blocks)``, or pages and scales that do not share ``num_blocks``.
+                ``[0, num_blocks)``, a page named twice in ``dst``, or pages and scales that do
+                not share ``num_blocks``.
             TypeError: ``src`` / ``dst`` not integer tensors.
         """
         tensors = [t for t in (self.key_pages, self.value_pages, self.key_scales, self.value_scales)
@@ -220,6 +222,8 @@ class PagedKVCache:
             if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
                 raise ValueError(f"{name} must hold page indices in [0, num_blocks={n}), got "
                                  f"{idx.tolist()}")
+        if torch.unique(dst).numel() != dst.numel():
+            raise ValueError(f"dst must not name a page twice (which copy lands is undefined), got {dst.tolist()}")
         for t in tensors:
             # One-byte formats by their bytes: index_copy_ has no float8 kernel.
             b = t.view(torch.uint8) if t.element_size() == 1 else t
@@ -254,10 +258,14 @@ def init_paged_cache(
     Raises:
         ValueError: A size below 1, or more than ``2**31 - 1`` slots (``num_blocks *
             block_size``: slots and lengths are int32 in the ops).
-        TypeError: A size that is not an int; an unknown ``kv_dtype``.
+        TypeError: A size that is not an int; a ``dtype`` other than float32, bfloat16 and
+            float16; an unknown ``kv_dtype``.
     """
     num_blocks, block_size = _pool(num_blocks, block_size)
     num_kv_heads, head_dim = _positive("num_kv_heads", num_kv_heads), _positive("head_dim", head_dim)
+    if dtype not in _MODEL_DTYPES:
+        raise TypeError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16 (what write_pages and "
+                        f"attend_pages take), got {dtype}")
     store = kv_dtype_of(kv_dtype) or dtype
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k = torch.zeros(shape, dtype=store, device=device)

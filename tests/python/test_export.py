@@ -132,3 +132,19 @@ def test_cpp_runner_runs_the_aoti_package(model, exported, tmp_path):
     ref_tokens, ref_logits = eager_generate(model, prompt, new_tokens)
     assert torch.equal(tokens, ref_tokens)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_cpp_runner_refuses_what_the_package_was_not_compiled_for(exported, tmp_path):
+    """A prompt of another batch size than the export's: the package's input checks refuse it
+    (it would read past the token buffer), a clear error and exit 1; so does a bad NEW_TOKENS."""
+    from test_torchscript import find_or_build_runner
+
+    runner = find_or_build_runner()
+    package = torch._inductor.aoti_compile_and_package(empty_caches(exported),
+                                                       package_path=str(tmp_path / "step.pt2"))
+    torch.save(torch.zeros(BATCH + 1, 3, dtype=torch.int64), tmp_path / "prompt.pt")
+    for count, expected in (("4", f"expected: {BATCH}, but got: {BATCH + 1}"), ("4x", "NEW_TOKENS")):
+        proc = subprocess.run([runner, package, str(tmp_path / "prompt.pt"), count, str(tmp_path / "o.pt")],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 1 and expected in proc.stderr, proc.stderr
+        assert "frame #" not in proc.stderr  # the message, not a C++ backtrace

@@ -469,7 +469,15 @@ def test_copy_blocks_checks_before_writing():
     odd = type(cache)(cache.key_pages, torch.zeros(2, 2, 1, 2))
     with pytest.raises(ValueError, match="must have the same num_blocks"):
         odd.copy_blocks(torch.tensor([0]), torch.tensor([3]))
+    with pytest.raises(ValueError, match=r"dst must not name a page twice .* got \[2, 2\]"):
+        cache.copy_blocks(torch.tensor([0, 1]), torch.tensor([2, 2]))
     assert torch.equal(cache.key_pages, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64, torch.int8])
+def test_init_refuses_a_dtype_no_op_takes(dtype):
+    with pytest.raises(TypeError, match="dtype must be torch.float32, torch.bfloat16 or torch.float16"):
+        init_paged_cache(4, 2, 1, 2, dtype)
 
 
 # ------------------------------------------------------------------- errors ---

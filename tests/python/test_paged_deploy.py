@@ -1,9 +1,11 @@
 """Paged caches in the deployment paths: a continuous-batching layer step (write the step's keys and
 values at their slots, attend over each sequence's pages) with its pages held as module buffers,
-scripted with TorchScript (saved and loaded), exported with torch.export (saved and loaded) and
-compiled with AOTInductor. Each runs a prefill step and a decode step against the float64
-reference over every sequence's keys and values as given (plain pages), and the same as eager
-(int8 pages); bad metadata is refused as in eager, before anything is written."""
+scripted with TorchScript (saved and loaded), exported with torch.export (saved and loaded),
+compiled with AOTInductor and with torch.compile. Each serves steps in which requests join and
+leave (the token count, the sequence count and the table width change, one token and one
+sequence included) against the float64 reference over every sequence's keys and values as given
+(plain pages), and the same as eager (int8 pages); bad metadata is refused as in eager, before
+anything is read."""
 
 import warnings
 from typing import Optional
@@ -14,7 +16,7 @@ import torch
 from kvcache.paged import BlockAllocator, PagedKVCache, init_paged_cache
 from references import attention_reference
 
-NUM_BLOCKS, BLOCK_SIZE, HEADS, KV_HEADS, DIM, WINDOW = 12, 4, 4, 2, 16, 6
+NUM_BLOCKS, BLOCK_SIZE, HEADS, KV_HEADS, DIM, WINDOW = 24, 4, 4, 2, 16, 6
 
 
 class PagedStep(torch.nn.Module):
@@ -35,36 +37,44 @@ class PagedStep(torch.nn.Module):
         return cache.attend(q, table, lens, cu, window=self.window)
 
 
-def steps():
-    """A prefill step (7 and 5 tokens) then a decode step, laid out by a BlockAllocator; and each
-    sequence's keys and values so far after each step (for the reference)."""
-    g = torch.Generator().manual_seed(4)
+def batches():
+    """Continuous-batching steps over a BlockAllocator: requests join (a prefill) and leave
+    between steps, so the token count, the sequence count and the table width change every step
+    (one token and one sequence included). Yields each step's args and each of its sequences'
+    keys and values so far (for the reference)."""
+    plan = [{"a": 6, "b": 3}, {"a": 1, "b": 1, "c": 4}, {"a": 1}, {"a": 1, "c": 1, "d": 9},
+            {"d": 1}, {"a": 2, "d": 1, "e": 3}]
+    g = torch.Generator().manual_seed(9)
     alloc = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE)
-    alloc.append("a", 1)  # shifts sequence b's pages off the identity
-    alloc.free("a")
-    history = {0: [], 1: []}
-    out = []
-    for qlens in ([7, 5], [1, 1]):
-        slots = torch.cat([alloc.append(s, n) for s, n in enumerate(qlens)])
-        total = sum(qlens)
+    history = {}
+    for step in plan:
+        for gone in [r for r in history if r not in step]:
+            alloc.free(gone)
+            del history[gone]
+        seqs = list(step)
+        slots = torch.cat([alloc.append(r, step[r]) for r in seqs])
+        total = len(slots)
         q = torch.randn(total, HEADS, DIM, generator=g)
         k = torch.randn(total, KV_HEADS, DIM, generator=g)
         v = torch.randn(total, KV_HEADS, DIM, generator=g)
-        cu = torch.tensor([0, qlens[0], total], dtype=torch.int32)
-        for s in range(2):
-            history[s].append((k[cu[s]:cu[s + 1]], v[cu[s]:cu[s + 1]]))
-        kv = {s: (torch.cat([a for a, _ in history[s]]), torch.cat([b for _, b in history[s]])) for s in range(2)}
-        args = (q, k, v, slots, alloc.block_table([0, 1]), alloc.context_lens([0, 1]), cu)
-        out.append((args, kv))
-    return out
+        cu = torch.tensor([0] + torch.tensor([step[r] for r in seqs]).cumsum(0).tolist(), dtype=torch.int32)
+        for i, r in enumerate(seqs):
+            ks, vs = history.get(r, (k[:0], v[:0]))
+            history[r] = (torch.cat([ks, k[cu[i]:cu[i + 1]]]), torch.cat([vs, v[cu[i]:cu[i + 1]]]))
+        yield (q, k, v, slots, alloc.block_table(seqs), alloc.context_lens(seqs), cu), \
+            [history[r] for r in seqs]
+
+
+def steps():
+    return list(batches())
 
 
 def reference(args, kv):
     q, _, _, _, _, lens, cu = args
     ref = torch.zeros(q.shape, dtype=torch.float64)
-    for s in range(2):
+    for s, (keys, values) in enumerate(kv):
         a, e = int(cu[s]), int(cu[s + 1])
-        keys, values = (t.permute(1, 0, 2)[None] for t in kv[s])
+        keys, values = keys.permute(1, 0, 2)[None], values.permute(1, 0, 2)[None]
         ref[a:e] = attention_reference(q[a:e].permute(1, 0, 2)[None], keys, values, lens[s], window=WINDOW)[0] \
             .permute(1, 0, 2)
     return ref
@@ -77,7 +87,7 @@ def script(module):
 
 
 def bad_table(args):
-    """The decode step with sequence 1's last page out of range."""
+    """The step with sequence 1's last page out of range."""
     q, k, v, slots, table, lens, cu = args
     table = table.clone()
     table[1, (int(lens[1]) - 1) // BLOCK_SIZE] = NUM_BLOCKS
@@ -91,9 +101,11 @@ def scripted(module, tmp_path):
 
 
 def export(module):
-    """The step exported for any number of tokens (prefill and decode steps: one program)."""
-    tokens = torch.export.Dim("tokens", min=2, max=4096)
-    dims = ({0: tokens}, {0: tokens}, {0: tokens}, {0: tokens}, None, None, None)
+    """The step exported for any token count, sequence count and table width: one program."""
+    tokens = torch.export.Dim("tokens", min=1, max=4096)
+    seqs = torch.export.Dim("seqs", min=1, max=256)
+    width = torch.export.Dim("width", min=1, max=1024)
+    dims = ({0: tokens},) * 4 + ({0: seqs, 1: width}, {0: seqs}, {0: seqs + 1})
     return torch.export.export(module, steps()[0][0], dynamic_shapes=dims)
 
 
@@ -151,21 +163,21 @@ RAISES = {"script": RuntimeError, "export": ValueError, "aoti": RuntimeError}
 def test_deployed_step_refuses_bad_metadata_as_eager(path, tmp_path):
     """A page index out of range: the attend raises eager's error before reading anything (the
     step's write, a separate op, ran before it, as in eager)."""
-    (prefill, _), (decode, kv) = steps()
+    (prefill, _), (step, kv) = steps()[:2]
     eager = PagedStep()
     module = (aoti if path == "aoti" else PATHS[path])(PagedStep(), tmp_path)
     with torch.no_grad():
         eager(*prefill)
         module(*prefill)
         with pytest.raises(ValueError) as expected:
-            eager(*bad_table(decode))
+            eager(*bad_table(step))
         with pytest.raises(RAISES[path]) as got:
-            module(*bad_table(decode))
+            module(*bad_table(step))
     assert "block_table" in str(expected.value)
     assert str(expected.value).splitlines()[0] in str(got.value)
-    # The refused step left the pages as eager's: the good decode step still gives the reference.
+    # The refused step left the pages as eager's: the good step still gives the reference.
     with torch.no_grad():
-        torch.testing.assert_close(module(*decode).double(), reference(decode, kv), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(module(*step).double(), reference(step, kv), atol=1e-4, rtol=1e-4)
 
 
 def test_aoti_package_runs_the_step(tmp_path):
@@ -190,7 +202,7 @@ def test_scripted_attend_takes_no_window_as_none():
              cu: torch.Tensor, window: Optional[int]) -> torch.Tensor:
         return attend_pages(q, kp, vp, table, lens, cu, window=window)
 
-    (prefill, kv), _ = steps()
+    (prefill, _), *_ = steps()
     module = PagedStep()
     with torch.no_grad():
         module(*prefill)
@@ -200,60 +212,26 @@ def test_scripted_attend_takes_no_window_as_none():
     assert torch.equal(out, attend_pages(q, module.key_pages, module.value_pages, table, lens, cu))
 
 
-def batches():
-    """Continuous-batching steps over a BlockAllocator: requests join (a prefill) and leave
-    between steps, so the token count, the sequence count and the table width change every step.
-    Yields each step's args and each of its sequences' keys and values so far."""
-    plan = [{"a": 6, "b": 3}, {"a": 1, "b": 1, "c": 4}, {"a": 1, "c": 1}, {"a": 1, "c": 1, "d": 9},
-            {"c": 1, "d": 1}, {"a": 2, "d": 1, "e": 3}]
-    g = torch.Generator().manual_seed(9)
-    alloc = BlockAllocator(NUM_BLOCKS * 2, BLOCK_SIZE)
-    history = {}
-    for step in plan:
-        for gone in [r for r in history if r not in step]:
-            alloc.free(gone)
-            del history[gone]
-        seqs = list(step)
-        slots = torch.cat([alloc.append(r, step[r]) for r in seqs])
-        total = len(slots)
-        q = torch.randn(total, HEADS, DIM, generator=g)
-        k = torch.randn(total, KV_HEADS, DIM, generator=g)
-        v = torch.randn(total, KV_HEADS, DIM, generator=g)
-        cu = torch.tensor([0] + torch.tensor([step[r] for r in seqs]).cumsum(0).tolist(), dtype=torch.int32)
-        for i, r in enumerate(seqs):
-            ks, vs = history.get(r, (k[:0], v[:0]))
-            history[r] = (torch.cat([ks, k[cu[i]:cu[i + 1]]]), torch.cat([vs, v[cu[i]:cu[i + 1]]]))
-        yield (q, k, v, slots, alloc.block_table(seqs), alloc.context_lens(seqs), cu), \
-            {i: history[r] for i, r in enumerate(seqs)}
-
 
 def test_compiled_step_serves_changing_batches_without_recompiling():
     """torch.compile(fullgraph=True) of the step with the sizes that change between steps marked
-    dynamic (the token count, the sequence count, the table width): one compilation serves every
-    step (fail_on_recompile after the first), and each step attends as the float64 reference.
-    Only those sizes: with dynamic=True every size is a symbol, and dynamo's duck sizing ties
-    sizes equal in the first step together (its 2 sequences with the 2 KV heads, which the pages
-    then fix), so a step with 3 sequences recompiled."""
+    unbacked (the token count, the sequence count, the table width): one compilation serves every
+    step, one token or one sequence included (fail_on_recompile after the first), and each step
+    attends as the float64 reference. Unbacked, not mark_dynamic: a dynamic size is specialized
+    at 0 and 1, so a one-token step recompiled and a one-sequence step failed (cu_seqlens_q's
+    size 2 made a constant). Nor dynamic=True: every size becomes a symbol, and duck sizing ties
+    sizes equal in the first step together (its 2 sequences with the 2 KV heads)."""
     module = PagedStep()
-    module.key_pages = torch.zeros(NUM_BLOCKS * 2, BLOCK_SIZE, KV_HEADS, DIM)
-    module.value_pages = torch.zeros(NUM_BLOCKS * 2, BLOCK_SIZE, KV_HEADS, DIM)
     torch._dynamo.reset()
     compiled = torch.compile(module, fullgraph=True)
     # (argument, dim) of each size that varies: q, k, v, slots by tokens; table, lens, cu by sequences.
     varying = [(0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (4, 1), (5, 0), (6, 0)]
     for i, (args, kv) in enumerate(batches()):
         for a, d in varying:
-            torch._dynamo.mark_dynamic(args[a], d)
+            torch._dynamo.decorators.mark_unbacked(args[a], d)
         with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile" if i else "default"):
             out = compiled(*args)
-        ref = torch.zeros(out.shape, dtype=torch.float64)
-        q, cu, lens = args[0], args[6], args[5]
-        for s in range(len(kv)):
-            a, e = int(cu[s]), int(cu[s + 1])
-            keys, values = (t.permute(1, 0, 2)[None] for t in kv[s])
-            ref[a:e] = attention_reference(q[a:e].permute(1, 0, 2)[None], keys, values, lens[s],
-                                           window=WINDOW)[0].permute(1, 0, 2)
-        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5, msg=f"step {i}")
+        torch.testing.assert_close(out.double(), reference(args, kv), atol=2e-5, rtol=2e-5, msg=f"step {i}")
 
 
 @torch.no_grad()
@@ -265,7 +243,7 @@ def test_inductor_writes_the_module_pages_in_place():
     module = PagedStep("int8")
     pages = (module.key_pages.data_ptr(), module.value_pages.data_ptr())
     torch._dynamo.reset()
-    (args, _), _ = steps()
+    (args, _), *_ = steps()
     _, codes = run_and_get_code(torch.compile(module, fullgraph=True), *args)
     code = "\n".join(codes)
     assert "torch.ops.kvcache.paged_write_" in code and "torch.ops.kvcache.paged_attend" in code, code
