@@ -15,7 +15,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from ._torchscript import make_scriptable
-from .common import INT64_MAX, INT64_MIN, as_int, as_window, kv_dtype_of, raise_out_of_range_start
+from .common import INT64_MAX, INT64_MIN, as_int, as_window, check_real, kv_dtype_of, raise_out_of_range_start
 from .ring import RingKV, RingLayerCache, attend_ring
 from .config import TransformerConfig
 
@@ -404,7 +404,8 @@ def attend(
             ``[0, length]``. On CUDA those rows get NaN output instead (no
             read out of bounds).
         TypeError: Unsupported or mismatched dtypes; a ``window`` that is
-            not an int (ValueError: outside int64).
+            not an int (ValueError: outside int64); a ``scale`` or ``softcap``
+            that is not a number (a bool, a str).
     """
     softcap_ = 0.0 if softcap is None else softcap
     if torch.jit.is_scripting():  # TorchScript's Optional[int] annotation already types window
@@ -423,6 +424,8 @@ def attend(
             sink_logits=sink_logits,
         )
     window_ = as_window(window)
+    check_real("scale", scale)
+    check_real("softcap", softcap)
     if not isinstance(cache, KVLayerCache):
         return _attend_ring(q, cache, kv_start, scale, window, softcap, sink_logits)
     return _attend_op(

@@ -6,6 +6,7 @@ public names; each check exists once, so every layout raises the same error for 
 mistake. Not part of the user API (the package does not re-export them).
 """
 
+import numbers
 import operator
 from typing import Optional
 
@@ -111,6 +112,20 @@ def raise_out_of_range_start(start: int, keys_new, keys) -> None:
     raise ValueError(
         f"KV cache overflow: end={start + chunk} exceeds max_len={max_len} (start={start} does not fit in int64)"
     )
+
+
+@torch.jit.unused  # scripted callers pass TorchScript's typed options as they are
+def check_real(name: str, value) -> None:
+    """Refuses an attend ``scale`` / ``softcap`` that is not a number (None passes: the default).
+
+    Raises:
+        TypeError: Naming ``name``, for a bool (``True`` would silently mean 1.0) or a value that
+            is not a real number (a str, ...); a number, a numpy scalar or a 0-D tensor passes.
+    """
+    if value is None or isinstance(value, torch.Tensor):
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float or None, got {type(value).__name__}")
 
 
 @torch.jit.unused  # scripted callers pass TorchScript's typed window as it is

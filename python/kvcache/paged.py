@@ -24,7 +24,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Union
 import torch
 
 from ._torchscript import make_scriptable
-from .common import as_int, as_window, kv_dtype_of
+from .common import as_int, as_window, check_real, kv_dtype_of
 
 _write_op = torch.ops.kvcache.paged_write_.default
 _attend_op = torch.ops.kvcache.paged_attend.default
@@ -122,7 +122,8 @@ def attend_pages(
             ``context_lens`` below a sequence's query count or beyond its table, a page a query
             sees outside ``[0, num_blocks)`` (all before anything is read); a ``window`` outside
             int64.
-        TypeError: Dtypes that do not fit; a ``window`` that is not an int.
+        TypeError: Dtypes that do not fit; a ``window`` that is not an int; a ``scale`` or
+            ``softcap`` that is not a number (a bool, a str).
     """
     softcap_ = 0.0 if softcap is None else softcap
     if torch.jit.is_scripting():  # TorchScript's Optional[int] annotation already types window
@@ -130,6 +131,8 @@ def attend_pages(
                                               scale=scale, window=0 if window is None else window, softcap=softcap_,
                                               key_scales=key_scales, value_scales=value_scales,
                                               sink_logits=sink_logits)
+    check_real("scale", scale)
+    check_real("softcap", softcap)
     return _attend_op(q, key_pages, value_pages, block_table, context_lens, cu_seqlens_q,
                       scale=scale, window=as_window(window), softcap=softcap_,
                       key_scales=key_scales, value_scales=value_scales, sink_logits=sink_logits)

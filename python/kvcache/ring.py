@@ -36,7 +36,7 @@ from typing import Optional, Union
 
 import torch
 
-from .common import as_int, check_length_writable, kv_dtype_of
+from .common import as_int, check_length_writable, check_real, kv_dtype_of
 
 _init_op = torch.ops.kvcache.init_layer_cache.default
 _write_op = torch.ops.kvcache.update_.Tensor
@@ -456,10 +456,13 @@ def attend_ring(
         ValueError: Shapes, devices or options that do not fit; on CPU,
             lengths below ``seq`` or ``kv_start`` outside ``[0, length]``
             (on CUDA those rows get NaN).
-        TypeError: Unsupported or mismatched dtypes.
+        TypeError: Unsupported or mismatched dtypes; a ``scale`` or
+            ``softcap`` that is not a number (a bool, a str).
     """
     if not isinstance(kv, (RingLayerCache, RingKV)):
         raise TypeError(f"kv must be a RingLayerCache or RingKV, got {type(kv).__name__}")
+    check_real("scale", scale)
+    check_real("softcap", softcap)
     return _attend_op(
         q,
         kv.keys,

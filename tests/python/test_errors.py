@@ -219,3 +219,35 @@ def test_attend_window_argument(cache, window, exc, match):
     cache = kvcache.update_kv_layer_cache(cache, *new(3), 0)
     with pytest.raises(exc, match=match):
         kvcache.attend(torch.randn(B, H, 1, D), cache, window=window)
+
+
+@pytest.mark.parametrize("name", ["scale", "softcap"])
+@pytest.mark.parametrize("value,got", [(True, "bool"), ("0.5", "str")])
+@pytest.mark.parametrize("layout", ["rows", "ring", "pages"])
+def test_attend_float_options_are_numbers(cache, name, value, got, layout):
+    """scale / softcap: a bool (which the dispatcher took as 1.0) or a str (its RuntimeError named
+    no argument) is a TypeError naming the option, on every layout; numbers, numpy scalars and
+    0-D tensors still pass."""
+    import numpy as np
+
+    from kvcache.paged import attend_pages, init_paged_cache
+
+    q = torch.randn(B, H, 1, D)
+    if layout == "rows":
+        cache = kvcache.update_kv_layer_cache(cache, *new(3), 0)
+        call = lambda **kw: kvcache.attend(q, cache, **kw)  # noqa: E731
+    elif layout == "ring":
+        ring = kvcache.ring.init_ring_layer_cache(B, H, D, window=4, dtype=torch.float32)
+        ring = kvcache.ring.update_ring_layer_cache(ring, *new(3), 0)
+        call = lambda **kw: kvcache.attend(q, ring, **kw)  # noqa: E731
+    else:
+        pages = init_paged_cache(4, 4, H, D, torch.float32)
+        table = torch.tensor([[0]] * B, dtype=torch.int32)
+        lens = torch.ones(B, dtype=torch.int32)
+        cu = torch.arange(B + 1, dtype=torch.int32)
+        q3 = q[:, :, 0].contiguous()
+        call = lambda **kw: attend_pages(q3, pages.key_pages, pages.value_pages, table, lens, cu, **kw)  # noqa: E731
+    with pytest.raises(TypeError, match=f"{name} must be a float or None, got {got}"):
+        call(**{name: value})
+    for ok in (0.5, 2, np.float32(0.5), torch.tensor(0.5)):
+        call(**{name: ok})
