@@ -424,8 +424,7 @@ def attend(
             sink_logits=sink_logits,
         )
     window_ = as_window(window)
-    check_real("scale", scale)
-    check_real("softcap", softcap)
+    check_real(scale=scale, softcap=softcap)
     if not isinstance(cache, KVLayerCache):
         return _attend_ring(q, cache, kv_start, scale, window, softcap, sink_logits)
     return _attend_op(

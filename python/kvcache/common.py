@@ -115,17 +115,18 @@ def raise_out_of_range_start(start: int, keys_new, keys) -> None:
 
 
 @torch.jit.unused  # scripted callers pass TorchScript's typed options as they are
-def check_real(name: str, value) -> None:
-    """Refuses an attend ``scale`` / ``softcap`` that is not a number (None passes: the default).
+def check_real(**options) -> None:
+    """Refuses attend options (``scale=``, ``softcap=``) that are not numbers (None passes: the default).
 
     Raises:
-        TypeError: Naming ``name``, for a bool (``True`` would silently mean 1.0) or a value that
+        TypeError: Naming the option, for a bool (``True`` would silently mean 1.0) or a value that
             is not a real number (a str, ...); a number, a numpy scalar or a 0-D tensor passes.
     """
-    if value is None or isinstance(value, torch.Tensor):
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a float or None, got {type(value).__name__}")
+    for name, value in options.items():
+        if value is None or isinstance(value, torch.Tensor):
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a float or None, got {type(value).__name__}")
 
 
 @torch.jit.unused  # scripted callers pass TorchScript's typed window as it is

@@ -131,8 +131,7 @@ def attend_pages(
                                               scale=scale, window=0 if window is None else window, softcap=softcap_,
                                               key_scales=key_scales, value_scales=value_scales,
                                               sink_logits=sink_logits)
-    check_real("scale", scale)
-    check_real("softcap", softcap)
+    check_real(scale=scale, softcap=softcap)
     return _attend_op(q, key_pages, value_pages, block_table, context_lens, cu_seqlens_q,
                       scale=scale, window=as_window(window), softcap=softcap_,
                       key_scales=key_scales, value_scales=value_scales, sink_logits=sink_logits)

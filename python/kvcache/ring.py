@@ -461,8 +461,7 @@ def attend_ring(
     """
     if not isinstance(kv, (RingLayerCache, RingKV)):
         raise TypeError(f"kv must be a RingLayerCache or RingKV, got {type(kv).__name__}")
-    check_real("scale", scale)
-    check_real("softcap", softcap)
+    check_real(scale=scale, softcap=softcap)
     return _attend_op(
         q,
         kv.keys,
