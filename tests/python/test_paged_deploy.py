@@ -106,7 +106,7 @@ def export(module):
     seqs = torch.export.Dim("seqs", min=1, max=256)
     width = torch.export.Dim("width", min=1, max=1024)
     dims = ({0: tokens},) * 4 + ({0: seqs, 1: width}, {0: seqs}, {0: seqs + 1})
-    return torch.export.export(module, steps()[0][0], dynamic_shapes=dims)
+    return torch.export.export(module, next(batches())[0], dynamic_shapes=dims)
 
 
 def exported(module, tmp_path):

@@ -27,6 +27,12 @@ PAGED_STEP = "kvcache_paged"
 _paged_attention = None  # kvcache.hf.paged's attention, once installed (set_paged_attention)
 
 
+def is_gathering_step(kwargs: dict) -> bool:
+    """Whether an attention call's kwargs are a continuous-batching step of a transformers release
+    whose attention function updates the paged cache itself (5.18: ``cache`` and ``read_index``)."""
+    return "read_index" in kwargs and kwargs.get("cache") is not None
+
+
 def set_paged_attention(fn) -> None:
     """Names the function a continuous-batching step that reaches ``"kvcache"`` is handed to
     (:func:`kvcache.hf.paged.install` passes ``paged_kvcache_attention``; this module does not
@@ -168,8 +174,7 @@ def kvcache_attention(
         ValueError: A mask not built by :func:`kvcache_mask`; lengths out of
             range (``attend``'s checks).
     """
-    if _paged_attention is not None and (PAGED_STEP in kwargs or
-                                         ("read_index" in kwargs and kwargs.get("cache") is not None)):
+    if _paged_attention is not None and (PAGED_STEP in kwargs or is_gathering_step(kwargs)):
         # A continuous-batching step that reached the model under the name "kvcache" (a manager
         # still stepping after stop() restored the name): its paged call, as paged|kvcache runs it.
         return _paged_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

@@ -44,11 +44,7 @@ from typing import Any, Optional
 import torch
 
 from ..paged import attend_pages, write_pages
-from .attention import PAGED_STEP, kvcache_attention, set_paged_attention
-
-MARK = PAGED_STEP
-"""The key under which the patched ``PagedAttentionCache.update`` hands a layer's paged call
-(:class:`LayerCall`) to the attention function through the forward's kwargs."""
+from .attention import PAGED_STEP, is_gathering_step, kvcache_attention, kvcache_mask, set_paged_attention
 
 PAGED_ATTN_IMPLEMENTATION = "paged|kvcache"
 """The paged attention's name, registered with ``AttentionInterface``."""
@@ -267,7 +263,8 @@ def paged_update(self, key_states: torch.Tensor, value_states: torch.Tensor, lay
         key_states, value_states: ``(1, num_kv_heads, num_tokens, head_dim)`` of this step.
         layer_idx: The model layer.
         kwargs: The forward's kwargs, updated in place as transformers' update does
-            (``cu_seq_lens_k`` / ``max_length_k`` of the layer's group) plus :data:`MARK`.
+            (``cu_seq_lens_k`` / ``max_length_k`` of the layer's group) plus the layer's
+            :class:`LayerCall` under ``PAGED_STEP``.
 
     Returns:
         ``(key_states, value_states)`` unchanged; the attention function writes them.
@@ -286,7 +283,7 @@ def paged_update(self, key_states: torch.Tensor, value_states: torch.Tensor, lay
     step = _group_step(self, allocator, kwargs, cu_k_all, max_k_all)
     kwargs["cu_seq_lens_k"] = cu_k_all[allocator.layer_type].to(torch.int32)
     kwargs["max_length_k"] = max_k_all[allocator.layer_type]
-    kwargs[MARK] = LayerCall(step, allocator, layer_idx)
+    kwargs[PAGED_STEP] = LayerCall(step, allocator, layer_idx)
     return key_states, value_states
 
 
@@ -305,7 +302,7 @@ def paged_kvcache_attention(
 ):
     """The ``"paged|kvcache"`` attention (:data:`CB_ATTN_IMPLEMENTATION` in transformers 5.24).
 
-    Without :data:`MARK` in ``kwargs`` (a regular forward), this is
+    Without ``PAGED_STEP`` in ``kwargs`` (a regular forward), this is
     :func:`kvcache.hf.attention.kvcache_attention`. With it, the layer's new keys and values are
     written into transformers' paged cache in place and the queries attend over the pages.
 
@@ -327,8 +324,8 @@ def paged_kvcache_attention(
         NotImplementedError: Attention dropout in training, non-causal attention.
         ValueError: What ``attend_pages`` / ``write_pages`` refuse.
     """
-    call = kwargs.pop(MARK, None)
-    if call is None and kwargs.get("cache") is not None and "read_index" in kwargs:
+    call = kwargs.pop(PAGED_STEP, None)
+    if call is None and is_gathering_step(kwargs):
         return _attend_gathered(module, query, key, value, scaling, softcap, kwargs)
     if call is None:
         return kvcache_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -455,7 +452,6 @@ def install() -> bool:
         # for these names (its attn_mask_is_needed); 5.18's build packed-sequence masks through
         # this interface, which kvcache_mask refuses, so there the names keep no mask function.
         from ._compat import AttentionMaskInterface
-        from .attention import kvcache_mask
 
         AttentionMaskInterface.register(PAGED_ATTN_IMPLEMENTATION, kvcache_mask)
         AttentionMaskInterface.register(CB_ATTN_IMPLEMENTATION, kvcache_mask)
