@@ -256,11 +256,11 @@ def main() -> None:
         for threads in thread_settings(args.threads):
             with num_threads(threads) as nt:
                 run(model, args.attn[0], prompts(2, 4, 8, cfg.vocab_size, seed=99), 2, args.max_batch_tokens)
-                rate = gemm_rate(cfg, DTYPES[dtype_name])
                 for n in args.requests:
                     reqs = prompts(n, args.prompt_min, args.prompt_max, cfg.vocab_size)
-                    floor = work_flops(model, reqs, args.new_tokens) / rate
-                    attn_floor = attention_flops(model, reqs, args.new_tokens) / rate
+                    # The GEMM rate before and after the runs, the better of the two: a slow moment
+                    # of a shared machine during one measurement would otherwise lower the floor.
+                    rate = gemm_rate(cfg, DTYPES[dtype_name])
                     results = {}
                     for attn in args.attn:
                         dt, tokens = run(model, attn, reqs, args.new_tokens, args.max_batch_tokens, clock)
@@ -269,10 +269,15 @@ def main() -> None:
                             dtype=dtype_name, threads=nt, requests=n, attn=f"paged|{attn}",
                             prompt_tokens=sum(len(r) for r in reqs), new_tokens=n * args.new_tokens,
                             seconds=dt, tokens_per_s=n * args.new_tokens / dt,
-                            attn_s=clock.seconds, attn_share=clock.seconds / dt, attn_floor_s=attn_floor,
-                            gemm_gflops=rate / 1e9, floor_s=floor, of_floor=floor / dt,
+                            attn_s=clock.seconds, attn_share=clock.seconds / dt,
                             kv_bytes_held=sum(len(r) + args.new_tokens for r in reqs) * per_token,
                             cache_tensor_bytes=recorder.bytes))
+                    rate = max(rate, gemm_rate(cfg, DTYPES[dtype_name]))
+                    floor = work_flops(model, reqs, args.new_tokens) / rate
+                    attn_floor = attention_flops(model, reqs, args.new_tokens) / rate
+                    for row in rows[-len(args.attn):]:
+                        row.update(attn_floor_s=attn_floor, gemm_gflops=rate / 1e9, floor_s=floor,
+                                   of_floor=floor / row["seconds"])
                     ref = results.get("sdpa")
                     sdpa_rate = next((r["tokens_per_s"] for r in rows[-len(args.attn):]
                                       if r["attn"] == "paged|sdpa"), None)
@@ -308,7 +313,7 @@ def main() -> None:
                        "of_floor", "same_as_sdpa", "kv_bytes_held",
                        "cache_tensor_bytes"])
     print("floor_s: the requests' FLOPs (weights x tokens, attention over each token's context) at the "
-          "GEMM rate measured in the same run (gemm_gflops in --json); of_floor = floor_s / seconds; "
+          "GEMM rate measured in the same run, before and after each row's runs, the better (gemm_gflops in --json); of_floor = floor_s / seconds; "
           "ceiling_vs_sdpa = paged|sdpa's seconds / floor_s, what a run at the floor would gain over it; "
           "attn_s: seconds inside the attention function (write, attend; sdpa: cache update, gather, SDPA); "
           "attn_floor_s: the attention's FLOPs at the GEMM rate; attn_at_floor_vs_sdpa = paged|sdpa's seconds / "

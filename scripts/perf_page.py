@@ -9,8 +9,12 @@ The files of one run are copied to ``docs/performance/data/<machine>/`` (the mac
 the CPU model and the attend kernel's ISA path each JSON records), and the page
 ``docs/performance/<machine>.md`` is written from them with its plots in
 ``docs/performance/<machine>/``: attend against its peers over filled slots, decode tokens/s against
-context, memory per cache format, and continuous-batching throughput against requests when a
+context, memory per cache format, and continuous-batching throughput against requests when
 ``bench_generate_batch.py`` JSON is among them. ``docs/performance/index.md`` lists the pages.
+
+``bench_generate_batch.py`` runs in slices (paged|sdpa takes minutes per row): each slice's JSON is
+kept as ``generate_batch-<axes>.json`` (``slice_name``) beside the others, and the page shows the
+rows of every slice, each with its own command.
 Nothing on a page is typed by hand: to change it, rerun the benchmark and this script.
 """
 
@@ -67,12 +71,49 @@ def machine_slug(env: dict) -> str:
     return re.sub(r"[^a-z0-9]+", "-", " ".join(parts).lower()).strip("-")
 
 
+def slice_name(doc: dict) -> str:
+    """``generate_batch-smollm2-float32-r32-t2-p64-1024-n64``: a generate_batch JSON's file name,
+    from the axes it was run with (paths left out), so slices of one grid sit side by side."""
+    a = doc.get("args", {})
+
+    def axis(v):
+        return "_".join(map(str, v)) if isinstance(v, list) else str(v)
+
+    parts = [a.get("model", "smollm2"), axis(a.get("dtype", "")), "r" + axis(a.get("requests", "")),
+             "t" + axis(a.get("threads", "")), f"p{a.get('prompt_min', '')}-{a.get('prompt_max', '')}",
+             f"n{a.get('new_tokens', '')}"]
+    return "generate_batch-" + re.sub(r"[^A-Za-z0-9_.-]+", "", "-".join(parts))
+
+
+def merge_slices(slices: List[dict]) -> dict:
+    """One generate_batch document from its slices: the first's env, every slice's rows (each with
+    its ``new_per_request`` and prompt range, the axes the rows do not carry) and the slices
+    themselves (``slices``: their commands)."""
+    rows = []
+    for d in slices:
+        a = d.get("args", {})
+        for r in d["rows"]:
+            extra = {}
+            if "new_tokens" in a:
+                extra["new_per_request"] = a["new_tokens"]
+            if "prompt_min" in a:
+                extra["prompts"] = f"{a['prompt_min']}-{a.get('prompt_max', '')}"
+            rows.append(dict(r, **extra))
+    return dict(env=slices[0]["env"], args=slices[0].get("args", {}), rows=rows, slices=slices)
+
+
 def load(paths: List[str]) -> Dict[str, dict]:
     docs: Dict[str, dict] = {}
+    slices: List[dict] = []
     for p in paths:
         with open(p, encoding="utf-8") as f:
             doc = json.load(f)
-        docs[kind_of(doc)] = doc
+        if kind_of(doc) == "generate_batch":
+            slices.append(doc)
+        else:
+            docs[kind_of(doc)] = doc
+    if slices:
+        docs["generate_batch"] = merge_slices(slices)
     return docs
 
 
@@ -90,7 +131,8 @@ def fmt(v, digits=3) -> str:
 
 def table(header: List[str], rows: List[List]) -> List[str]:
     out = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    out += ["| " + " | ".join(fmt(c) for c in r) + " |" for r in rows]
+    # A "|" inside a cell (paged|kvcache) is escaped, or the row splits into one cell more.
+    out += ["| " + " | ".join(fmt(c).replace("|", "\\|") for c in r) + " |" for r in rows]
     return out + [""]
 
 
@@ -267,17 +309,28 @@ def batch_section(doc: dict, outdir: str, rel: str) -> List[str]:
     rows = doc["rows"]
     plt = _plt()
     fig, ax = plt.subplots()
-    for attn in sorted({str(r.get("attn")) for r in rows}):
-        pts = sorted((r["requests"], r["tokens_per_s"]) for r in rows if str(r.get("attn")) == attn)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=attn)
+    # One line per attention and setting of the other axes (new tokens, prompts, dtype, threads).
+    def line(r):
+        return tuple(str(r.get(k, "")) for k in ("attn", "dtype", "threads", "prompts", "new_per_request"))
+
+    for key in sorted({line(r) for r in rows}):
+        pts = sorted((r["requests"], r["tokens_per_s"]) for r in rows if line(r) == key)
+        attn, dtype, threads, prompts, new = key
+        label = " ".join(x for x in (attn, dtype, threads and f"{threads}t", prompts and f"prompts {prompts}",
+                                     new and f"+{new}") if x)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("tokens/s")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
     save(fig, os.path.join(outdir, "generate_batch.png"))
-    cols = ["requests", "attn", "tokens_per_s"] + sorted({k for r in rows for k in r} - {"requests", "attn",
-                                                                                          "tokens_per_s"})
-    body = [[r.get(c, "") for c in cols] for r in sorted(rows, key=lambda r: (str(r.get("attn")), r["requests"]))]
+    lead = ["requests", "attn", "dtype", "threads", "prompts", "new_per_request", "tokens_per_s", "vs_sdpa",
+            "same_as_sdpa"]
+    present = {k for r in rows for k in r}
+    cols = [c for c in lead if c in present] + sorted(present - set(lead))
+    order = ("dtype", "threads", "prompts", "new_per_request", "attn")
+    body = [[r.get(c, "") for c in cols]
+            for r in sorted(rows, key=lambda r: tuple(str(r.get(k, "")) for k in order) + (r["requests"],))]
     return (["## Continuous batching throughput", "",
              "benchmarks/bench_generate_batch.py: tokens/s of `generate_batch` against the number of requests.",
              "", f"![continuous batching throughput]({rel}/generate_batch.png)", ""] + table(cols, body))
@@ -294,7 +347,8 @@ def machine_lines(docs: Dict[str, dict]) -> List[str]:
             ["Python", env.get("python")], ["default threads", env.get("default_threads")]]
     lines = ["## Machine", ""] + table(["", ""], rows)
     lines += ["Runs (one command each, from the repository root):", "", "```bash"]
-    for kind, doc in sorted(docs.items()):
+    runs = [(kind, d) for kind, doc in sorted(docs.items()) for d in doc.get("slices", [doc])]
+    for kind, doc in runs:
         a = doc.get("args", {})
         script = doc["env"].get("benchmark") or {"attend": "bench_attend.py", "e2e": "bench_e2e.py",
                                                   "update": "bench_update.py",
@@ -307,13 +361,15 @@ def machine_lines(docs: Dict[str, dict]) -> List[str]:
         if a.get("filled"):
             flags.append("--filled " + " ".join(map(str, a["filled"])))
         if kind == "generate_batch":  # every axis it was run with (paths left out)
-            for k in ("requests", "dtype", "model", "prompt_min", "prompt_max", "new_tokens", "max_batch_tokens"):
+            for k in ("requests", "dtype", "model", "prompt_min", "prompt_max", "new_tokens", "max_batch_tokens",
+                      "attn"):
                 v = a.get(k)
                 if v is not None:
                     shown = " ".join(map(str, v)) if isinstance(v, list) else str(v)
                     flags.append(f"--{k.replace('_', '-')} {shown}")
         date = doc["env"].get("date", "")
-        lines.append(f"python benchmarks/{script} {' '.join(flags)} --json {kind}.json"
+        name = slice_name(doc) if kind == "generate_batch" else kind
+        lines.append(f"python benchmarks/{script} {' '.join(flags)} --json {name}.json"
                      + (f"   # {date}" if date else ""))
     lines += ["```", "", "Threads: `0` is the default (all cores); a shared machine's figures move with its load: "
               "each figure is the median of interleaved rounds, with its spread.", ""]
@@ -378,8 +434,9 @@ def main(argv=None) -> int:
         slug = slugs.pop()
         os.makedirs(os.path.join(DATA, slug), exist_ok=True)
         for src in args.json:
-            kind = kind_of(json.load(open(src, encoding="utf-8")))
-            shutil.copyfile(src, os.path.join(DATA, slug, f"{kind}.json"))
+            doc = json.load(open(src, encoding="utf-8"))
+            name = slice_name(doc) if kind_of(doc) == "generate_batch" else kind_of(doc)
+            shutil.copyfile(src, os.path.join(DATA, slug, f"{name}.json"))
     stale: List[str] = []
     slugs = sorted(d for d in os.listdir(DATA) if glob.glob(os.path.join(DATA, d, "*.json")))
     only = {machine_slug(d["env"]) for d in load(args.json).values()} if args.json and not args.all else None

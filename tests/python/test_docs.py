@@ -103,6 +103,32 @@ def test_perf_page_renders_from_json(tmp_path):
     assert "47.8" in text  # SmolLM2's int8 cache at 4096 slots, MiB
 
 
+def test_perf_page_merges_generate_batch_slices(tmp_path):
+    """Two bench_generate_batch slices (other requests, other new tokens): one section with the rows
+    of both, each row with its slice's new tokens, and each slice's own command."""
+    perf = load("perf_page", "scripts/perf_page.py")
+    env = fixture_docs()["generate_batch"]["env"]
+    slices = []
+    for requests, new in ((8, 24), (64, 64)):
+        rows = [dict(requests=requests, attn=a, tokens_per_s=t) for a, t in (("kvcache", 9.5), ("sdpa", 1.25))]
+        doc = dict(env=env, rows=rows, args=dict(requests=[requests], threads=[2], dtype=["float32"],
+                                                 prompt_min=64, prompt_max=1024, new_tokens=new))
+        path = tmp_path / f"{perf.slice_name(doc)}.json"
+        path.write_text(json.dumps(doc))
+        slices.append(str(path))
+    assert [os.path.basename(s) for s in slices] == ["generate_batch-smollm2-float32-r8-t2-p64-1024-n24.json",
+                                                     "generate_batch-smollm2-float32-r64-t2-p64-1024-n64.json"]
+    docs = perf.load(slices)
+    assert list(docs) == ["generate_batch"]
+    assert sorted((r["requests"], r["new_per_request"], r["attn"]) for r in docs["generate_batch"]["rows"]) == [
+        (8, 24, "kvcache"), (8, 24, "sdpa"), (64, 64, "kvcache"), (64, 64, "sdpa")]
+    text = perf.render("test", docs, str(tmp_path))
+    for s in slices:
+        assert f"--json {os.path.basename(s)}" in text
+    assert "--requests 64" in text and "--new-tokens 64" in text and "--new-tokens 24" in text
+    assert text.count("| 9.5 |") == 2 and text.count("| 1.25 |") == 2
+
+
 def test_saved_performance_pages_are_current():
     perf = load("perf_page", "scripts/perf_page.py")
     assert perf.main(["--all", "--check"]) == 0

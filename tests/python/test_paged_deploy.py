@@ -133,6 +133,35 @@ def test_deployed_step_matches_the_reference(path, tmp_path):
             torch.testing.assert_close(module(*args).double(), reference(args, kv), atol=2e-5, rtol=2e-5)
 
 
+def padded(args, extra):
+    """The step padded to a fixed token count, as a compiled or CUDA-graph step is: `extra` more
+    rows of q, k and v (random, so a read of them would show) whose slots are -1."""
+    q, k, v, slots, table, lens, cu = args
+    g = torch.Generator().manual_seed(extra)
+    pad = [torch.randn((extra,) + x.shape[1:], generator=g) for x in (q, k, v)]
+    slots = torch.cat([slots, torch.full((extra,), -1, dtype=slots.dtype)])
+    return (torch.cat([q, pad[0]]), torch.cat([k, pad[1]]), torch.cat([v, pad[2]]), slots, table, lens, cu)
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_deployed_step_serves_padded_batches(path, tmp_path):
+    """Steps padded past cu_seqlens_q[-1] (q, k, v and slot_mapping alike, the export's one token
+    Dim): the sequences' rows as the reference, the padding rows 0, nothing of them written (the
+    later steps still match the reference over the real tokens alone)."""
+    eager = PagedStep()
+    module = PATHS[path](PagedStep(), tmp_path)
+    with torch.no_grad():
+        for i, (args, kv) in enumerate(steps()):
+            total = int(args[6][-1])
+            out = module(*padded(args, 1 + i % 3))
+            torch.testing.assert_close(out[:total].double(), reference(args, kv), atol=2e-5, rtol=2e-5)
+            assert torch.equal(out[total:], torch.zeros_like(out[total:]))
+            eager(*args)
+    if path != "aoti":  # AOTInductor's runner keeps its pages to itself
+        for name, buf in eager.named_buffers():  # the real tokens alone: as the unpadded eager steps
+            assert torch.equal(dict(module.named_buffers())[name], buf), name
+
+
 @pytest.mark.parametrize("path", ["export", "script"])  # AOTInductor's runner keeps its pages to itself
 def test_deployed_int8_step_equals_eager(path, tmp_path):
     eager = PagedStep("int8")
