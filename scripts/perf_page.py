@@ -87,13 +87,13 @@ def slice_name(doc: dict) -> str:
 
 def merge_slices(slices: List[dict]) -> dict:
     """One generate_batch document from its slices: the first's env, every slice's rows (each with
-    its ``new_per_request`` and prompt range, the axes the rows do not carry) and the slices
+    its model, ``new_per_request`` and prompt range, the axes the rows do not carry) and the slices
     themselves (``slices``: their commands)."""
     rows = []
     for d in slices:
         a = d.get("args", {})
         for r in d["rows"]:
-            extra = {}
+            extra = {"model": a.get("model", "smollm2")}
             if "new_tokens" in a:
                 extra["new_per_request"] = a["new_tokens"]
             if "prompt_min" in a:
@@ -309,14 +309,14 @@ def batch_section(doc: dict, outdir: str, rel: str) -> List[str]:
     rows = doc["rows"]
     plt = _plt()
     fig, ax = plt.subplots()
-    # One line per attention and setting of the other axes (new tokens, prompts, dtype, threads).
+    # One line per model, attention and setting of the other axes (new tokens, prompts, dtype, threads).
     def line(r):
-        return tuple(str(r.get(k, "")) for k in ("attn", "dtype", "threads", "prompts", "new_per_request"))
+        return tuple(str(r.get(k, "")) for k in ("model", "attn", "dtype", "threads", "prompts", "new_per_request"))
 
     for key in sorted({line(r) for r in rows}):
         pts = sorted((r["requests"], r["tokens_per_s"]) for r in rows if line(r) == key)
-        attn, dtype, threads, prompts, new = key
-        label = " ".join(x for x in (attn, dtype, threads and f"{threads}t", prompts and f"prompts {prompts}",
+        model, attn, dtype, threads, prompts, new = key
+        label = " ".join(x for x in (model, attn, dtype, threads and f"{threads}t", prompts and f"prompts {prompts}",
                                      new and f"+{new}") if x)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
     ax.set_xlabel("concurrent requests")
@@ -324,11 +324,11 @@ def batch_section(doc: dict, outdir: str, rel: str) -> List[str]:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
     save(fig, os.path.join(outdir, "generate_batch.png"))
-    lead = ["requests", "attn", "dtype", "threads", "prompts", "new_per_request", "tokens_per_s", "vs_sdpa",
+    lead = ["model", "requests", "attn", "dtype", "threads", "prompts", "new_per_request", "tokens_per_s", "vs_sdpa",
             "same_as_sdpa"]
     present = {k for r in rows for k in r}
     cols = [c for c in lead if c in present] + sorted(present - set(lead))
-    order = ("dtype", "threads", "prompts", "new_per_request", "attn")
+    order = ("model", "dtype", "threads", "prompts", "new_per_request", "attn")
     body = [[r.get(c, "") for c in cols]
             for r in sorted(rows, key=lambda r: tuple(str(r.get(k, "")) for k in order) + (r["requests"],))]
     return (["## Continuous batching throughput", "",
