@@ -313,7 +313,8 @@ def main() -> None:
                        "of_floor", "same_as_sdpa", "kv_bytes_held",
                        "cache_tensor_bytes"])
     print("floor_s: the requests' FLOPs (weights x tokens, attention over each token's context) at the "
-          "GEMM rate measured in the same run, before and after each row's runs, the better (gemm_gflops in --json); of_floor = floor_s / seconds; "
+          "GEMM rate measured in the same run, before and after each row's runs, the better "
+          "(gemm_gflops in --json); of_floor = floor_s / seconds; "
           "ceiling_vs_sdpa = paged|sdpa's seconds / floor_s, what a run at the floor would gain over it; "
           "attn_s: seconds inside the attention function (write, attend; sdpa: cache update, gather, SDPA); "
           "attn_floor_s: the attention's FLOPs at the GEMM rate; attn_at_floor_vs_sdpa = paged|sdpa's seconds / "
