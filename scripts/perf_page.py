@@ -85,6 +85,13 @@ def slice_name(doc: dict) -> str:
     return "generate_batch-" + re.sub(r"[^A-Za-z0-9_.-]+", "", "-".join(parts))
 
 
+def data_name(doc: dict) -> str:
+    """The name (without ``.json``) a benchmark JSON is saved under in ``docs/performance/data/``:
+    its kind, or for a generate_batch slice its ``slice_name``."""
+    kind = kind_of(doc)
+    return slice_name(doc) if kind == "generate_batch" else kind
+
+
 def merge_slices(slices: List[dict]) -> dict:
     """One generate_batch document from its slices: the first's env, every slice's rows (each with
     its model, ``new_per_request`` and prompt range, the axes the rows do not carry) and the slices
@@ -369,8 +376,7 @@ def machine_lines(docs: Dict[str, dict]) -> List[str]:
                     shown = " ".join(map(str, v)) if isinstance(v, list) else str(v)
                     flags.append(f"--{k.replace('_', '-')} {shown}")
         date = doc["env"].get("date", "")
-        name = slice_name(doc) if kind == "generate_batch" else kind
-        lines.append(f"python benchmarks/{script} {' '.join(flags)} --json {name}.json"
+        lines.append(f"python benchmarks/{script} {' '.join(flags)} --json {data_name(doc)}.json"
                      + (f"   # {date}" if date else ""))
     lines += ["```", "", "Threads: `0` is the default (all cores); a shared machine's figures move with its load: "
               "each figure is the median of interleaved rounds, with its spread.", ""]
@@ -436,8 +442,7 @@ def main(argv=None) -> int:
         os.makedirs(os.path.join(DATA, slug), exist_ok=True)
         for src in args.json:
             doc = json.load(open(src, encoding="utf-8"))
-            name = slice_name(doc) if kind_of(doc) == "generate_batch" else kind_of(doc)
-            shutil.copyfile(src, os.path.join(DATA, slug, f"{name}.json"))
+            shutil.copyfile(src, os.path.join(DATA, slug, f"{data_name(doc)}.json"))
     stale: List[str] = []
     slugs = sorted(d for d in os.listdir(DATA) if glob.glob(os.path.join(DATA, d, "*.json")))
     only = {machine_slug(d["env"]) for d in load(args.json).values()} if args.json and not args.all else None

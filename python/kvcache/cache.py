@@ -424,9 +424,9 @@ def attend(
             sink_logits=sink_logits,
         )
     window_ = as_window(window)
-    check_real(scale=scale, softcap=softcap)
-    if not isinstance(cache, KVLayerCache):
+    if not isinstance(cache, KVLayerCache):  # attend_ring checks scale and softcap itself
         return _attend_ring(q, cache, kv_start, scale, window, softcap, sink_logits)
+    check_real(scale=scale, softcap=softcap)
     return _attend_op(
         q,
         cache.keys,

@@ -234,7 +234,6 @@ def test_scripted_attend_takes_no_window_as_none():
     assert torch.equal(out, attend_pages(q, module.key_pages, module.value_pages, table, lens, cu))
 
 
-
 def test_compiled_step_serves_changing_batches_without_recompiling():
     """torch.compile(fullgraph=True) of the step with the sizes that change between steps marked
     unbacked (the token count, the sequence count, the table width): one compilation serves every
