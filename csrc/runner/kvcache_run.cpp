@@ -78,25 +78,9 @@ int main(int argc, char** argv) {
       throw std::invalid_argument("PROMPT.pt must hold a (batch, seq) int64 tensor, batch and seq >= 1");
     }
 
-    // One call of the model: tokens (B, S) -> logits (B, S, V), checked.
-    std::function<at::Tensor(const at::Tensor&)> call;
-    const bool is_package = model_path.size() > 4 && model_path.compare(model_path.size() - 4, 4, ".pt2") == 0;
-    if (is_package) {
-      // The package checks each input's shape and dtype against what it was compiled for (a
-      // batch other than the export's would read past the token buffer): the generated code
-      // reads this once, at its first run.
-      setenv("AOTI_RUNTIME_CHECK_INPUTS", "1", 0);
-      auto package = std::make_shared<torch::inductor::AOTIModelPackageLoader>(model_path);
-      call = [package](const at::Tensor& tokens) {
-        std::vector<at::Tensor> out = package->run({tokens});
-        if (out.size() != 1) throw std::runtime_error("the package must return one tensor (the logits)");
-        return out[0];
-      };
-    } else {
-      auto scripted = std::make_shared<torch::jit::Module>(torch::jit::load(model_path));
-      scripted->eval();
-      call = [scripted](const at::Tensor& tokens) { return scripted->forward({tokens}).toTensor(); };
-    }
+    // One call of the model: tokens (B, S) -> logits (B, S, V) (step checks them), and how the
+    // prompt goes in: whole, or to a package (compiled for one-token steps) a token at a time.
+    std::function<at::Tensor(const at::Tensor&)> call, feed;
     auto step = [&call](const at::Tensor& tokens) {
       at::Tensor logits = call(tokens);
       if (logits.dim() != 3 || logits.size(0) != tokens.size(0) || logits.size(1) != tokens.size(1) ||
@@ -107,18 +91,35 @@ int main(int argc, char** argv) {
       }
       return logits;
     };
-
-    torch::InferenceMode guard;
-    at::Tensor logits;
-    if (is_package) {  // a single-token step: the prompt one token at a time
+    if (model_path.size() > 4 && model_path.compare(model_path.size() - 4, 4, ".pt2") == 0) {
+      // The package checks each input's shape and dtype against what it was compiled for (a
+      // batch other than the export's would read past the token buffer): the generated code
+      // reads this once, at its first run.
+      setenv("AOTI_RUNTIME_CHECK_INPUTS", "1", 0);
+      auto package = std::make_shared<torch::inductor::AOTIModelPackageLoader>(model_path);
+      call = [package](const at::Tensor& tokens) {
+        std::vector<at::Tensor> out = package->run({tokens});
+        if (out.size() != 1) throw std::runtime_error("the package must return one tensor (the logits)");
+        return out[0];
+      };
       // Fresh (B, 1) tensors: contiguous() keeps a (1, 1) slice's strides, which the package
       // refuses.
-      for (int64_t i = 0; i < prompt.size(1); ++i) {
-        logits = step(prompt.narrow(1, i, 1).clone(at::MemoryFormat::Contiguous));
-      }
+      feed = [&step](const at::Tensor& prompt) {
+        at::Tensor logits;
+        for (int64_t i = 0; i < prompt.size(1); ++i) {
+          logits = step(prompt.narrow(1, i, 1).clone(at::MemoryFormat::Contiguous));
+        }
+        return logits;
+      };
     } else {
-      logits = step(prompt);
+      auto scripted = std::make_shared<torch::jit::Module>(torch::jit::load(model_path));
+      scripted->eval();
+      call = [scripted](const at::Tensor& tokens) { return scripted->forward({tokens}).toTensor(); };
+      feed = step;
     }
+
+    torch::InferenceMode guard;
+    at::Tensor logits = feed(prompt);
     at::Tensor last = logits.select(1, -1);
     std::vector<at::Tensor> tokens, chosen;
     for (long i = 0; i < new_tokens; ++i) {

@@ -37,16 +37,16 @@ class PagedStep(torch.nn.Module):
         return cache.attend(q, table, lens, cu, window=self.window)
 
 
-def batches():
+def steps():
     """Continuous-batching steps over a BlockAllocator: requests join (a prefill) and leave
     between steps, so the token count, the sequence count and the table width change every step
-    (one token and one sequence included). Yields each step's args and each of its sequences'
-    keys and values so far (for the reference)."""
+    (one token and one sequence included). Returns each step's args and each of its sequences'
+    keys and values so far (for the reference), fresh tensors each call."""
     plan = [{"a": 6, "b": 3}, {"a": 1, "b": 1, "c": 4}, {"a": 1}, {"a": 1, "c": 1, "d": 9},
             {"d": 1}, {"a": 2, "d": 1, "e": 3}]
     g = torch.Generator().manual_seed(9)
     alloc = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE)
-    history = {}
+    history, out = {}, []
     for step in plan:
         for gone in [r for r in history if r not in step]:
             alloc.free(gone)
@@ -61,12 +61,9 @@ def batches():
         for i, r in enumerate(seqs):
             ks, vs = history.get(r, (k[:0], v[:0]))
             history[r] = (torch.cat([ks, k[cu[i]:cu[i + 1]]]), torch.cat([vs, v[cu[i]:cu[i + 1]]]))
-        yield (q, k, v, slots, alloc.block_table(seqs), alloc.context_lens(seqs), cu), \
-            [history[r] for r in seqs]
-
-
-def steps():
-    return list(batches())
+        out.append(((q, k, v, slots, alloc.block_table(seqs), alloc.context_lens(seqs), cu),
+                    [history[r] for r in seqs]))
+    return out
 
 
 def reference(args, kv):
@@ -106,7 +103,7 @@ def export(module):
     seqs = torch.export.Dim("seqs", min=1, max=256)
     width = torch.export.Dim("width", min=1, max=1024)
     dims = ({0: tokens},) * 4 + ({0: seqs, 1: width}, {0: seqs}, {0: seqs + 1})
-    return torch.export.export(module, next(batches())[0], dynamic_shapes=dims)
+    return torch.export.export(module, steps()[0][0], dynamic_shapes=dims)
 
 
 def exported(module, tmp_path):
@@ -247,7 +244,7 @@ def test_compiled_step_serves_changing_batches_without_recompiling():
     compiled = torch.compile(module, fullgraph=True)
     # (argument, dim) of each size that varies: q, k, v, slots by tokens; table, lens, cu by sequences.
     varying = [(0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (4, 1), (5, 0), (6, 0)]
-    for i, (args, kv) in enumerate(batches()):
+    for i, (args, kv) in enumerate(steps()):
         for a, d in varying:
             torch._dynamo.decorators.mark_unbacked(args[a], d)
         with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile" if i else "default"):
