@@ -18,7 +18,9 @@ budget):
 
 Columns: generated tokens/s (all requests' new tokens / wall time) and its ratio to ``sdpa``'s,
 ``attn_s`` (the seconds spent inside the attention function, every layer and step) and its share of
-the run, ``attn_floor_s`` (causal attention's FLOPs for the requests at the GEMM rate measured in the
+the run, ``update_s`` (the seconds in ``PagedAttentionCache.update`` when the model calls it before the
+attention function, as transformers 5.24 does: ``sdpa``'s write and whole-context gather, ``kvcache``'s
+step metadata; 5.18's attention functions call it inside ``attn_s``), ``attn_floor_s`` (causal attention's FLOPs for the requests at the GEMM rate measured in the
 same run: the attention computing as fast as a matrix product), ``attn_at_floor_vs_sdpa`` (``sdpa``'s
 time over this run's with ``attn_s`` replaced by ``attn_floor_s``: what an attention at the floor
 would reach, the model's other layers as they ran) and ``attn_free_vs_sdpa`` (the same with
@@ -91,26 +93,48 @@ def prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0):
 
 class _AttentionClock:
     """Wall time spent inside the model's attention function (whatever ``AttentionInterface`` hands the
-    attention layers: kvcache's paged write and attend, or paged|sdpa's cache update, gather and SDPA),
-    summed over layers and steps; reset by each :func:`run`. What is left of a run's time is the
-    model's own (projections, MLP, norms, rotary, sampling, the scheduler), which no attention changes."""
+    attention layers: kvcache's paged write and attend, or paged|sdpa's SDPA), summed over layers and
+    steps, in ``seconds``; and in ``update_seconds`` the time in ``PagedAttentionCache.update`` when
+    the model layer calls it before the attention function (transformers 5.24: paged|sdpa's write and
+    whole-context gather, kvcache's step metadata; 5.18's attention functions call it themselves,
+    inside ``seconds``). Both reset by each :func:`run`. What is left of a run's time is the model's
+    own (projections, MLP, norms, rotary, sampling, the scheduler), which no attention changes."""
 
     def __init__(self):
         self.seconds = 0.0
+        self.update_seconds = 0.0
+        self.depth = 0  # > 0 inside the attention function
         orig = AttentionInterface.__getitem__
+        orig_update = cb_cache.PagedAttentionCache.update
         clock = self
 
         def timed(fn):
             def attention(*a, **k):
                 t0 = time.perf_counter()
+                clock.depth += 1
                 try:
                     return fn(*a, **k)
                 finally:
+                    clock.depth -= 1
                     clock.seconds += time.perf_counter() - t0
             return attention
 
+        def update(*a, **k):
+            if clock.depth:
+                return orig_update(*a, **k)
+            t0 = time.perf_counter()
+            try:
+                return orig_update(*a, **k)
+            finally:
+                clock.update_seconds += time.perf_counter() - t0
+
         # get_interface (5.24) and a plain lookup (5.18) both end in __getitem__.
         AttentionInterface.__getitem__ = lambda this, key: timed(orig(this, key))
+        # kvcache.hf installs its own update (5.24) before this wraps it.
+        cb_cache.PagedAttentionCache.update = update
+
+    def reset(self):
+        self.seconds = self.update_seconds = 0.0
 
 
 class _CacheBytes:
@@ -209,7 +233,7 @@ def run(model, attn: str, reqs, new_tokens: int, max_batch_tokens: int, clock: _
                                   max_batch_tokens=max_batch_tokens, allow_block_sharing=True,
                                   max_requests_per_batch=len(reqs))
     if clock is not None:
-        clock.seconds = 0.0
+        clock.reset()
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -269,7 +293,7 @@ def main() -> None:
                             dtype=dtype_name, threads=nt, requests=n, attn=f"paged|{attn}",
                             prompt_tokens=sum(len(r) for r in reqs), new_tokens=n * args.new_tokens,
                             seconds=dt, tokens_per_s=n * args.new_tokens / dt,
-                            attn_s=clock.seconds, attn_share=clock.seconds / dt,
+                            attn_s=clock.seconds, attn_share=clock.seconds / dt, update_s=clock.update_seconds,
                             kv_bytes_held=sum(len(r) + args.new_tokens for r in reqs) * per_token,
                             cache_tensor_bytes=recorder.bytes))
                     rate = max(rate, gemm_rate(cfg, DTYPES[dtype_name]))
@@ -308,7 +332,7 @@ def main() -> None:
     print_table(f"generate_batch, {MODELS[args.model]}, prompts {args.prompt_min}-{args.prompt_max}, "
                 f"{args.new_tokens} new tokens, page {PAGE}, step budget {args.max_batch_tokens} tokens",
                 rows, ["dtype", "threads", "requests", "attn", "prompt_tokens", "seconds", "tokens_per_s",
-                       "attn_s", "attn_share", "attn_floor_s", "vs_sdpa", "attn_at_floor_vs_sdpa",
+                       "attn_s", "attn_share", "update_s", "attn_floor_s", "vs_sdpa", "attn_at_floor_vs_sdpa",
                        "attn_free_vs_sdpa", "ceiling_vs_sdpa", "floor_s",
                        "of_floor", "same_as_sdpa", "kv_bytes_held",
                        "cache_tensor_bytes"])
@@ -316,7 +340,10 @@ def main() -> None:
           "GEMM rate measured in the same run, before and after each row's runs, the better "
           "(gemm_gflops in --json); of_floor = floor_s / seconds; "
           "ceiling_vs_sdpa = paged|sdpa's seconds / floor_s, what a run at the floor would gain over it; "
-          "attn_s: seconds inside the attention function (write, attend; sdpa: cache update, gather, SDPA); "
+          "attn_s: seconds inside the attention function (kvcache: write, attend; sdpa: SDPA; with 5.18 "
+          "also the cache update, which its attention functions call); update_s: seconds in the cache's "
+          "update called before the attention function (5.24; sdpa: write and context gather; kvcache: "
+          "the step's metadata); "
           "attn_floor_s: the attention's FLOPs at the GEMM rate; attn_at_floor_vs_sdpa = paged|sdpa's seconds / "
           "(seconds - attn_s + attn_floor_s), the ratio with this run's attention as fast as a GEMM and the "
           "model's other layers as they ran; attn_free_vs_sdpa = paged|sdpa's seconds / (seconds - attn_s), "
