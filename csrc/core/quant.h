@@ -114,12 +114,15 @@ KVCACHE_HOST_DEVICE uint8_t to_e4m3_bits(float y) {
   return static_cast<uint8_t>(out | sign);
 }
 
-// e4m3fn bits -> float32 (exact; NaN bits are never written).
+// e4m3fn bits -> float32 (exact). Our writes never produce the NaN bytes (0x7f, 0xff), but pages
+// written elsewhere (vLLM, a NaN input) may hold them: NaN, as c10's conversion and CUDA read them.
 KVCACHE_HOST_DEVICE float from_e4m3_bits(uint8_t b) {
   const uint32_t mag = b & 0x7fu;
   const uint32_t e = mag >> 3, m = mag & 7u;
   float v;
-  if (e == 0) {
+  if (mag == 0x7fu) {
+    v = bits_float(0x7fc00000u);
+  } else if (e == 0) {
     v = static_cast<float>(m) * (1.f / 512.f);
   } else {
     v = bits_float(((e + 120u) << 23) | (m << 20));

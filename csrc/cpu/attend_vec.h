@@ -312,11 +312,15 @@ struct VecAvx2 {
   // e4m3fn -> float16 bits by moving the 7 exponent/mantissa bits under
   // float16's (same mantissa top, exponent bias 15 instead of 7: the value
   // times 2^-8, subnormals included), F16C to float32, times 2^8: exact.
+  // The NaN bytes (magnitude 0x7f, which the move would make 480) become
+  // float16 NaN (all ones), as from_e4m3_bits reads them.
   static inline V load(const c10::Float8_e4m3fn* p) {
     const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    const __m128i mag = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7);
+    const __m128i m7 = _mm_and_si128(w, _mm_set1_epi16(0x7f));
+    const __m128i nan = _mm_cmpeq_epi16(m7, _mm_set1_epi16(0x7f));
     const __m128i sgn = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8);
-    return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(mag, sgn)), _mm256_set1_ps(256.f));
+    const __m128i h = _mm_or_si128(_mm_or_si128(_mm_slli_epi16(m7, 7), sgn), nan);
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
   }
   static inline void store(float* p, V a) { _mm256_storeu_ps(p, a); }
   // Unpacks pair rows (0,1), (2,3).. lane by lane, shuffles the pairs into
@@ -461,9 +465,11 @@ struct VecAvx512 {
   // As VecAvx2's e4m3fn load, sixteen at a time.
   static inline V load(const c10::Float8_e4m3fn* p) {
     const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m256i mag = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7);
+    const __m256i m7 = _mm256_and_si256(w, _mm256_set1_epi16(0x7f));
+    const __m256i nan = _mm256_cmpeq_epi16(m7, _mm256_set1_epi16(0x7f));
     const __m256i sgn = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
-    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(mag, sgn)), _mm512_set1_ps(256.f));
+    const __m256i h = _mm256_or_si256(_mm256_or_si256(_mm256_slli_epi16(m7, 7), sgn), nan);
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
   }
   static inline void store(float* p, V a) { _mm512_storeu_ps(p, a); }
   static inline void pin(V& a) { asm("" : "+v"(a)); }

@@ -144,15 +144,16 @@ QUANT_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 def quantize_reference(x: torch.Tensor, kv_dtype: torch.dtype):
     """``(..., head_dim)`` float data -> ``(quantized, float32 scale (...))`` by the formats' definition.
 
-    scale = absmax / qmax (float32, floored at the smallest normal float32, NaN read as 0), data / scale
-    clamped to [-qmax, qmax]; int8 rounds half away from zero (exact in float64), float8_e4m3fn to nearest
-    even.
+    scale = absmax / qmax (float32, floored at the smallest normal float32, NaN read as 0; an infinite
+    element makes it infinite), data / scale with NaN read as 0, clamped to [-qmax, qmax]; int8 rounds
+    half away from zero (exact in float64), float8_e4m3fn to nearest even.
     """
     x = x.float()
     qmax = QUANT_MAX[kv_dtype]
-    absmax = x.nan_to_num(nan=0.0).abs().amax(-1)
+    absmax = torch.where(x.isnan(), 0.0, x).abs().amax(-1)  # not nan_to_num: it makes inf finite
     scale = torch.clamp(absmax / qmax, min=torch.finfo(torch.float32).tiny)
-    y = (x / scale[..., None]).nan_to_num(nan=0.0).clamp(-qmax, qmax)
+    y = x / scale[..., None]
+    y = torch.where(y.isnan(), 0.0, y).clamp(-qmax, qmax)
     if kv_dtype == torch.int8:
         q = (y.sign().double() * (y.abs().double() + 0.5).floor()).to(torch.int8)
     else:

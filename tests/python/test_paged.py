@@ -248,6 +248,27 @@ def test_attend_quantized_pages(kv_dtype, qdtype):
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dim", [64, 20])
+@pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
+def test_fp8_nan_bytes_read_as_nan(dim, qdtype):
+    """e4m3fn's NaN bytes (0x7f, 0xff), which our writes never produce but pages written elsewhere
+    may hold, read as NaN (as torch's conversion reads them) in decode rows and in a prefill chunk:
+    the rows that see one come out NaN, every other row as the reference."""
+    ctx, qlens = [40, 9, 70, 33], [20, 1, 1, 2]
+    q, kp, vp, table, lens, cu = make_case(ctx, qlens, block_size=16, dim=dim, seed=23)
+    kq, ks = quantize_ref(kp, torch.float8_e4m3fn)
+    vq, vs = quantize_ref(vp, torch.float8_e4m3fn)
+    # Sequence 0's key at position 5 (KV head 1) and sequence 2's value at position 50 (KV head 0).
+    kq.view(torch.uint8)[table[0, 0], 5, 1, dim - 1] = 0x7F
+    vq.view(torch.uint8)[table[2, 50 // 16], 50 % 16, 0, 3] = 0xFF
+    q = q.to(qdtype)
+    ref = reference(q, dequantized(kq, ks), dequantized(vq, vs), table, lens, cu)
+    assert ref.isnan().any() and not ref.isnan().all()
+    out = attend_pages(q, kq, vq, table, lens, cu, key_scales=ks, value_scales=vs)
+    tol = 2e-5 if qdtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol, equal_nan=True)
+
+
 @pytest.mark.parametrize("block_size", [1, 5, 16, 48])
 @pytest.mark.parametrize("kv_dtype", [None, torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("opts", [{}, dict(softcap=2.0, window=37, sink_logits=True)])
@@ -283,6 +304,8 @@ for dt in (torch.float32, torch.bfloat16, torch.float16):
 t.test_attend_options(dict(softcap=2.0, window=17, sink_logits=True))
 t.test_attend_quantized_pages(torch.int8, torch.bfloat16)
 t.test_attend_quantized_pages(torch.float8_e4m3fn, torch.float32)
+t.test_fp8_nan_bytes_read_as_nan(64, torch.float32)
+t.test_fp8_nan_bytes_read_as_nan(20, torch.bfloat16)
 """
 
 

@@ -17,31 +17,17 @@ import torch
 
 import kvcache
 from references import attention_reference as reference
+from references import quantize_reference as ref_quantize
+from references import QUANT_MAX as QMAX
 from kv_testing import as_bytes, random_tensor
 
 ops = torch.ops.kvcache
 HERE = os.path.dirname(os.path.abspath(__file__))
 FLT_MIN = torch.finfo(torch.float32).tiny
 KV_DTYPES = [torch.int8, torch.float8_e4m3fn]
-QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 
 
 # ------------------------------------------------------------ reference ---
-
-
-def ref_quantize(x, kv_dtype):
-    """(…, head_dim) float -> (quantized, scale) by the format's definition, in plain PyTorch."""
-    x = x.float()
-    qmax = QMAX[kv_dtype]
-    absmax = x.nan_to_num(nan=0.0).abs().amax(-1)
-    scale = torch.clamp(absmax / qmax, min=FLT_MIN)  # float32 division, then the floor
-    y = (x / scale[..., None]).nan_to_num(nan=0.0).clamp(-qmax, qmax)
-    if kv_dtype == torch.int8:
-        # Round half away from zero, exactly (|y| + 0.5 is exact in float64).
-        q = (y.sign().double() * (y.abs().double() + 0.5).floor()).to(torch.int8)
-    else:
-        q = y.to(torch.float8_e4m3fn)  # round to nearest even; |y| <= 448: no NaN
-    return q, scale
 
 
 def dequantize(q, scale):
@@ -165,6 +151,22 @@ def test_nan_input_is_ignored_by_absmax_and_stored_as_zero():
         q, s = ref_quantize(x, kv_dtype)
         assert_bytes_equal(c.keys, q)
         assert float(c.k_scale) == float(torch.tensor(2.0) / QMAX[kv_dtype]) and float(c.keys[0, 0, 0, 0]) == 0.0
+
+
+def test_infinite_input_makes_the_slot_scale_infinite():
+    """An infinite element makes its slot's absmax, so its scale, infinite and every stored value 0:
+    the slot reads back as NaN (0 x inf), as attention over an infinite key would give; the other
+    slots are quantized as always."""
+    x = torch.tensor([[float("inf"), 2.0, -1.0, 0.5], [1.0, float("-inf"), 3.0, 0.0],
+                      [1.0, -2.0, 3.0, 0.25]]).reshape(1, 1, 3, 4)
+    for kv_dtype in KV_DTYPES:
+        c = kvcache.init_kv_layer_cache(1, 1, 4, 3, torch.float32, kv_dtype=kv_dtype)
+        kvcache.update_kv_layer_cache(c, x, x.clone(), 0)
+        q, s = ref_quantize(x, kv_dtype)
+        assert_bytes_equal(c.keys, q)
+        assert torch.equal(c.k_scale, s)
+        assert c.k_scale[0, 0, :2].isinf().all() and not c.keys[0, 0, :2].float().any()
+        assert float(c.k_scale[0, 0, 2]) == float(torch.tensor(3.0) / QMAX[kv_dtype])
 
 
 def test_strided_new_data_and_cache():

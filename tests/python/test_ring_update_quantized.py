@@ -14,31 +14,15 @@ import torch
 
 import kvcache
 from kv_testing import as_bytes, random_tensor
+from references import quantize_reference as quantize_ref
 
 ops = torch.ops.kvcache
 FLT_MIN = torch.finfo(torch.float32).tiny
 KV_DTYPES = [torch.int8, torch.float8_e4m3fn]
 NEW_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 
 
 # ------------------------------------------------------------ references ---
-
-
-def quantize_ref(x, kv_dtype):
-    """(..., head_dim) -> (quantized, float32 scale): absmax / qmax (floored at FLT_MIN), NaN -> 0,
-    clamp, int8 round half away from zero, fp8 e4m3 round to nearest even."""
-    x = x.float()
-    qmax = QMAX[kv_dtype]
-    absmax = torch.where(x.isnan(), torch.zeros_like(x), x).abs().amax(-1)
-    scale = torch.maximum(absmax / qmax, torch.tensor(FLT_MIN))
-    y = x / scale[..., None]
-    y = torch.where(y.isnan(), torch.zeros_like(y), y).clamp(-qmax, qmax)
-    if kv_dtype == torch.int8:
-        q = (y.double().sign() * (y.double().abs() + 0.5).floor()).to(torch.int8)
-    else:
-        q = y.to(torch.float8_e4m3fn)
-    return q, scale
 
 
 def kept_slots(start, chunk, sinks, capacity):
