@@ -198,6 +198,20 @@ def test_llama_no_gather(monkeypatch):
     assert ours == _greedy(model, "sdpa", prompts, 6)
 
 
+def test_mistral_window_passed_by_argument(monkeypatch):
+    """Mistral passes its window to the attention function as an argument (its attention module has
+    no sliding_window): prompts longer than the window, chunked prefill and decode give the tokens of
+    per-request greedy generate (transformers 5.18 read the window from the module only, as 0)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, sliding_window=6)
+    model = _no_eos(MistralForCausalLM(cfg).eval())
+    prompts = _prompts((12, 3, 20))
+    assert _generate_batch(model, "kvcache", prompts, 6, max_batch_tokens=16) == _greedy(model, "eager", prompts, 6)
+
+
 @pytest.mark.parametrize("window", [16, 12])  # a multiple of the page size, and not (pages of gcd = 4)
 def test_gemma3_sliding_generate_batch(monkeypatch, window):
     model = _gemma3(window)
@@ -317,7 +331,6 @@ def test_persistent_manager_refuses_another_attention():
         [sdpa[f"req_{i}"].generated_tokens for i in range(2)]
 
 
-@needs_in_place
 @pytest.mark.parametrize("name", [hf_paged.CB_ATTN_IMPLEMENTATION, hf_paged.PAGED_ATTN_IMPLEMENTATION])
 def test_paged_names_honour_padding_outside_a_step(name):
     """Under the continuous-batching names (kept by init_continuous_batching() then stop() without

@@ -44,6 +44,7 @@ from typing import Any, Optional
 import torch
 
 from ..paged import attend_pages, write_pages
+from ._compat import masking_utils
 from .attention import PAGED_STEP, is_gathering_step, kvcache_attention, kvcache_mask, set_paged_attention
 
 PAGED_ATTN_IMPLEMENTATION = "paged|kvcache"
@@ -326,7 +327,7 @@ def paged_kvcache_attention(
     """
     call = kwargs.pop(PAGED_STEP, None)
     if call is None and is_gathering_step(kwargs):
-        return _attend_gathered(module, query, key, value, scaling, softcap, kwargs)
+        return _attend_gathered(module, query, key, value, scaling, sliding_window, softcap, kwargs)
     if call is None:
         return kvcache_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                  sliding_window=sliding_window, softcap=softcap, **kwargs)
@@ -357,16 +358,18 @@ def _sink_logits(kwargs: dict) -> Optional[torch.Tensor]:
     return None if sink is None else sink.detach().to(torch.float32).reshape(-1)
 
 
-def _attend_gathered(module, query, key, value, scaling, softcap, kwargs: dict):
+def _attend_gathered(module, query, key, value, scaling, sliding_window, softcap, kwargs: dict):
     """transformers releases whose attention function updates the paged cache itself (5.18:
     ``cache.update(k, v, layer_idx, read_index, write_index)`` writes the step's keys and values
     and returns every sequence's context gathered back to back, as their flash varlen path reads
     it): the gathered rows are read as pages of one slot, sequence ``s``'s at rows
     ``[cu_seq_lens_k[s], cu_seq_lens_k[s + 1])``. The context is copied, as by ``paged|sdpa``, but
-    each query reads only its own sequence's keys (no ``total_q x total_k`` mask)."""
+    each query reads only its own sequence's keys (no ``total_q x total_k`` mask). The window is the
+    one the layer passes (Mistral, Phi3, Starcoder2 pass their config's; their modules have no
+    ``sliding_window``), else its module's (Gemma's)."""
     if not getattr(module, "is_causal", True):
         raise NotImplementedError("paged|kvcache supports causal self-attention only")
-    window = int(getattr(module, "sliding_window", None) or 0)
+    window = int(sliding_window or getattr(module, "sliding_window", None) or 0)
     layer_type = "sliding_attention" if window else "full_attention"
     cu_k, max_k = kwargs["cu_seq_lens_k"], kwargs.get("max_seqlen_k")
     if isinstance(cu_k, dict):
@@ -382,6 +385,19 @@ def _attend_gathered(module, query, key, value, scaling, softcap, kwargs: dict):
                        kwargs["cu_seq_lens_q"].to(torch.int32), scale=scaling, window=window, softcap=softcap,
                        sink_logits=_sink_logits(kwargs))
     return out.unsqueeze(0), None
+
+
+def _unless_packed(*args, mask_function=None, attention_mask=None, local_size=None, **kwargs):
+    """The paged names' mask function on transformers 5.18: ``None`` for a continuous-batching
+    step's packed sequences (no 2-D mask, the causal mask composed with a packed-sequence one: the
+    paged attention reads ``cu_seq_lens_q`` / ``cu_seq_lens_k``), else :func:`kvcache_mask`
+    (left padding honoured, other custom masks refused). Arguments as :func:`kvcache_mask`."""
+    from transformers import masking_utils
+
+    if attention_mask is None and local_size is None and mask_function is not masking_utils.causal_mask_function:
+        return None
+    return kvcache_mask(*args, mask_function=mask_function, attention_mask=attention_mask, local_size=local_size,
+                        **kwargs)
 
 
 def _switch_to_cb_friendly_attn(self, model, *args, **kwargs) -> None:
@@ -446,15 +462,16 @@ def install() -> bool:
     if IN_PLACE:
         _orig_update = cache_cls.update
         cache_cls.update = paged_update
-        # Outside a step the paged names are the regular attention (a forward while a manager
-        # runs, or after init_continuous_batching() and stop() without start(), which keeps the CB
-        # name): the masks of "kvcache", so left padding is honoured. 5.24's steps build no mask
-        # for these names (its attn_mask_is_needed); 5.18's build packed-sequence masks through
-        # this interface, which kvcache_mask refuses, so there the names keep no mask function.
-        from ._compat import AttentionMaskInterface
+    # Outside a step the paged names are the regular attention (a forward while a manager runs, or
+    # after init_continuous_batching() and stop() without start(), which keeps the CB name): the
+    # masks of "kvcache", so left padding is honoured. 5.24's steps build no mask for these names
+    # (its attn_mask_is_needed); 5.18's ask this interface for a packed-sequence one, which
+    # kvcache_mask refuses: there _unless_packed answers None (the step reads cu_seqlens).
+    from ._compat import AttentionMaskInterface
 
-        AttentionMaskInterface.register(PAGED_ATTN_IMPLEMENTATION, kvcache_mask)
-        AttentionMaskInterface.register(CB_ATTN_IMPLEMENTATION, kvcache_mask)
+    mask = kvcache_mask if IN_PLACE else _unless_packed
+    AttentionMaskInterface.register(PAGED_ATTN_IMPLEMENTATION, mask)
+    AttentionMaskInterface.register(CB_ATTN_IMPLEMENTATION, mask)
     _orig_switch = manager_cls.switch_to_cb_friendly_attn
     manager_cls.switch_to_cb_friendly_attn = _switch_to_cb_friendly_attn
     _installed = True
