@@ -44,7 +44,7 @@ from typing import Any, Optional
 import torch
 
 from ..paged import attend_pages, write_pages
-from ._compat import masking_utils
+from ._compat import AttentionMaskInterface, masking_utils
 from .attention import PAGED_STEP, is_gathering_step, kvcache_attention, kvcache_mask, set_paged_attention
 
 PAGED_ATTN_IMPLEMENTATION = "paged|kvcache"
@@ -392,8 +392,6 @@ def _unless_packed(*args, mask_function=None, attention_mask=None, local_size=No
     step's packed sequences (no 2-D mask, the causal mask composed with a packed-sequence one: the
     paged attention reads ``cu_seq_lens_q`` / ``cu_seq_lens_k``), else :func:`kvcache_mask`
     (left padding honoured, other custom masks refused). Arguments as :func:`kvcache_mask`."""
-    from transformers import masking_utils
-
     if attention_mask is None and local_size is None and mask_function is not masking_utils.causal_mask_function:
         return None
     return kvcache_mask(*args, mask_function=mask_function, attention_mask=attention_mask, local_size=local_size,
@@ -467,8 +465,6 @@ def install() -> bool:
     # masks of "kvcache", so left padding is honoured. 5.24's steps build no mask for these names
     # (its attn_mask_is_needed); 5.18's ask this interface for a packed-sequence one, which
     # kvcache_mask refuses: there _unless_packed answers None (the step reads cu_seqlens).
-    from ._compat import AttentionMaskInterface
-
     mask = kvcache_mask if IN_PLACE else _unless_packed
     AttentionMaskInterface.register(PAGED_ATTN_IMPLEMENTATION, mask)
     AttentionMaskInterface.register(CB_ATTN_IMPLEMENTATION, mask)
