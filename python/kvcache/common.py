@@ -63,6 +63,28 @@ def check_length_writable(length: torch.Tensor) -> None:
     _check_lengths_writable_op(length)
 
 
+def check_row_ints(t, name: str, keys: torch.Tensor) -> None:
+    """Raises unless ``t`` is one int per row of ``keys``, as the operators take per-row lengths.
+
+    Args:
+        t: The tensor to check (``0-D`` or ``(batch,)``, int32 / int64, on ``keys``' device).
+        name: Its name in the message.
+        keys: The cache's ``(batch, ...)`` keys.
+
+    Raises:
+        TypeError: ``t`` not an int32 / int64 tensor.
+        ValueError: Another shape or device.
+    """
+    if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be an int32 or int64 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+    batch = keys.shape[0]
+    if not (t.dim() == 0 or (t.dim() == 1 and t.shape[0] == batch)):
+        raise ValueError(f"{name} must be a 0-D tensor (one value for every row) or have shape (batch={batch},), "
+                         f"got shape {tuple(t.shape)}")
+    if t.device != keys.device:
+        raise ValueError(f"{name} must be on the cache's device ({keys.device}), got {t.device}")
+
+
 def check_scale_pair(k_scale, v_scale) -> None:
     """Raises (ValueError) unless both scales are set (a quantized cache) or neither (a plain one)."""
     # A quantized cache has both scales, a plain one neither.

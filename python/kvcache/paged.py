@@ -202,16 +202,17 @@ class PagedKVCache:
 
         Raises:
             ValueError: ``src`` and ``dst`` of different shapes or not 1-D, an index outside
-                ``[0, num_blocks)``, a page named twice in ``dst``, or pages and scales that do
-                not share ``num_blocks``.
-            TypeError: ``src`` / ``dst`` not integer tensors.
+                ``[0, num_blocks)``, a page named twice in ``dst``, pages and scales that do
+                not share ``num_blocks``, or a page or scale tensor that cannot be written in
+                place (an ``expand()``-ed view, a leaf that requires grad, an inference tensor
+                outside inference mode).
+            TypeError: ``src`` / ``dst`` not int32 / int64 tensors.
         """
         tensors = [t for t in (self.key_pages, self.value_pages, self.key_scales, self.value_scales)
                    if t is not None]
         for name, idx in (("src", src), ("dst", dst)):
-            if not isinstance(idx, torch.Tensor) or idx.dtype.is_floating_point or idx.dtype.is_complex \
-                    or idx.dtype == torch.bool:
-                raise TypeError(f"{name} must be an integer tensor of page indices, got "
+            if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int32, torch.int64):
+                raise TypeError(f"{name} must be an int32 or int64 tensor of page indices, got "
                                 f"{getattr(idx, 'dtype', type(idx).__name__)}")
             if idx.dim() != 1 or idx.shape != src.shape:
                 raise ValueError(f"src and dst must be 1-D of one length, got {tuple(src.shape)} and "
@@ -226,9 +227,17 @@ class PagedKVCache:
                                  f"{idx.tolist()}")
         if torch.unique(dst).numel() != dst.numel():
             raise ValueError(f"dst must not name a page twice (which copy lands is undefined), got {dst.tolist()}")
-        for t in tensors:
-            # One-byte formats by their bytes: index_copy_ has no float8 kernel.
-            b = t.view(torch.uint8) if t.element_size() == 1 else t
+        # One-byte formats by their bytes: index_copy_ has no float8 kernel.
+        views = [t.view(torch.uint8) if t.element_size() == 1 else t for t in tensors]
+        none = dst.new_empty(0, dtype=torch.int64)
+        for name, b in zip(("key_pages", "value_pages", "key_scales", "value_scales"), views):
+            # An empty copy writes nothing but meets every check a tensor's in-place write does
+            # (internal overlap, autograd leaf, inference tensor): all pass before a page is written.
+            try:
+                b.index_copy_(0, none, b[:0])
+            except RuntimeError as e:
+                raise ValueError(f"{name} cannot be written in place: {e}") from None
+        for b in views:
             b.index_copy_(0, dst.to(torch.int64), b.index_select(0, src.to(torch.int64)))
 
 

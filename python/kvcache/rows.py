@@ -12,7 +12,8 @@ from typing import Optional, Union
 import torch
 
 from .cache import KVLayerCache
-from .common import INT64_MAX, INT64_MIN, as_int, check_length_writable, check_scale_pair, check_scales
+from .common import (INT64_MAX, INT64_MIN, as_int, check_length_writable, check_row_ints, check_scale_pair,
+                     check_scales)
 from .ring import RingLayerCache, check_ring, ring_write
 
 _rollback_op = torch.ops.kvcache.rollback.default
@@ -232,6 +233,9 @@ def select_rows_ring_layer_cache(cache: RingLayerCache, index: torch.Tensor) -> 
     check_ring(cache)
     check_length_writable(cache.length)
     check_ring_tensors(cache)
+    # The operator moves whole rows (a full length), so the ring's own length, which moves after
+    # the data, is checked here: 0-D or (batch,), int32 / int64, on the cache's device.
+    check_row_ints(cache.length, "length", cache.keys)
     full = torch.full((), cache.capacity, dtype=torch.int32, device=cache.length.device)
     # Validates index (CPU: raises before any write; CUDA: -1 and no write).
     moved = _select_rows_op(cache.keys, cache.values, full, index)
@@ -286,6 +290,7 @@ def reset_rows_ring_layer_cache(cache: RingLayerCache, rows: torch.Tensor) -> Ri
             f"rows must be a bool mask or an int32 or int64 tensor of row indices, got {type(rows).__name__}"
         )
     check_length_writable(cache.length)
+    check_ring_tensors(cache)  # positions (batch, capacity) int32, writable, as every ring write
     # Every row is checked here (CPU: raises; CUDA: every entry -1), before
     # anything is written.
     length = _reset_rows_op(cache.length, rows)

@@ -487,13 +487,37 @@ def test_copy_blocks_checks_before_writing():
     before = cache.key_pages.clone()
     with pytest.raises(ValueError, match=r"dst must hold page indices in \[0, num_blocks=4\), got \[99\]"):
         cache.copy_blocks(torch.tensor([0]), torch.tensor([99]))
-    with pytest.raises(TypeError, match="src must be an integer tensor"):
+    with pytest.raises(TypeError, match="src must be an int32 or int64 tensor"):
         cache.copy_blocks(torch.tensor([0.0]), torch.tensor([1]))
     odd = type(cache)(cache.key_pages, torch.zeros(2, 2, 1, 2))
     with pytest.raises(ValueError, match="must have the same num_blocks"):
         odd.copy_blocks(torch.tensor([0]), torch.tensor([3]))
     with pytest.raises(ValueError, match=r"dst must not name a page twice .* got \[2, 2\]"):
         cache.copy_blocks(torch.tensor([0, 1]), torch.tensor([2, 2]))
+    with pytest.raises(TypeError, match="src must be an int32 or int64 tensor of page indices, got torch.uint64"):
+        cache.copy_blocks(torch.tensor([0], dtype=torch.uint64), torch.tensor([1]))
+    assert torch.equal(cache.key_pages, before)
+
+
+@pytest.mark.parametrize("case", ["expanded", "requires_grad", "inference"])
+def test_copy_blocks_refuses_unwritable_pages_before_writing(case):
+    """Every page and scale tensor is checked writable before the first is written: key pages
+    (valid) stay as they were when the value pages or scales cannot be written in place."""
+    cache = init_paged_cache(4, 2, 1, 2, torch.float32, kv_dtype="int8")
+    cache.key_pages.random_(-100, 100)
+    before = cache.key_pages.clone()
+    name, bad = {"expanded": ("value_pages", torch.zeros(1, 2, 1, 2, dtype=torch.int8).expand(4, 2, 1, 2)),
+                 "requires_grad": ("value_scales", torch.ones(4, 2, 1, requires_grad=True)),
+                 "inference": ("value_scales", None)}[case]
+    if bad is None:
+        with torch.inference_mode():
+            bad = torch.ones(4, 2, 1)
+    fields = dict(key_pages=cache.key_pages, value_pages=cache.value_pages, key_scales=cache.key_scales,
+                  value_scales=cache.value_scales)
+    fields[name] = bad
+    odd = type(cache)(**fields)
+    with pytest.raises(ValueError, match=f"{name} cannot be written in place"):
+        odd.copy_blocks(torch.tensor([0]), torch.tensor([1]))
     assert torch.equal(cache.key_pages, before)
 
 

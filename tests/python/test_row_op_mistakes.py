@@ -75,7 +75,9 @@ def raise_same(fn, args, exc, msg, compiled):
     with pytest.raises(Exception) as info:
         fn(*args)
     err = info.value
-    if isinstance(err, torch._dynamo.exc.TorchRuntimeError):  # Dynamo wraps trace-time errors, quoting them
+    # Dynamo wraps trace-time errors, quoting them: an operator check's in a TorchRuntimeError, a
+    # Python check's in an Unsupported ("raised exception ValueError(...)").
+    if isinstance(err, (torch._dynamo.exc.TorchRuntimeError, torch._dynamo.exc.Unsupported)):
         assert exc.__name__ in str(err), str(err)
     else:
         assert type(err) is exc, repr(err)
@@ -357,3 +359,48 @@ def test_deprecated_aliases_warn_eagerly_and_compile_fullgraph(old, new, arg):
     assert_same(out, expect.length)
     for name in ("keys", "values", "length"):
         assert_same(getattr(compiled_cache, name), getattr(expect, name))
+
+
+# ------------------------------------------------- 5. ring length and positions
+# (a second adversarial review: select_rows_ring_layer_cache moved keys, values and positions,
+# then failed or accepted a length of the wrong shape or dtype; reset_rows_ring_layer_cache
+# wrote any positions it was given, an expand()ed one's every row at once)
+
+
+@pytest.mark.parametrize("length,exc,msg", [
+    (torch.tensor([3, 3], dtype=torch.int32), ValueError,
+     r"length must be a 0-D tensor \(one value for every row\) or have shape \(batch=3,\), got shape \(2,\)"),
+    (torch.tensor([[3], [3], [3]], dtype=torch.int32), ValueError, r"got shape \(3, 1\)"),
+    (torch.tensor([3.0, 3.0, 3.0]), TypeError, "length must be an int32 or int64 tensor, got torch.float32"),
+    (torch.tensor([True, True, True]), TypeError, "got torch.bool"),
+], ids=["short", "2-D", "float", "bool"])
+@MODES
+def test_select_rows_ring_refuses_bad_length_before_any_move(length, exc, msg, compiled):
+    bad = dataclasses.replace(ring(), length=length)
+    snap = snapshot(bad)
+
+    def select(cache, index):
+        return kvcache.select_rows_ring_layer_cache(cache, index).positions + 0
+
+    raise_same(select, (bad, INDEX), exc, msg, compiled)
+    assert_unchanged(bad, snap)
+
+
+@pytest.mark.parametrize("case", ["expanded", "wide", "int64"])
+@MODES
+def test_reset_rows_ring_refuses_bad_positions_before_any_change(case, compiled):
+    r = ring()
+    positions = {"expanded": r.positions[:1].expand(B, -1),
+                 "wide": torch.cat([r.positions, r.positions[:, :1]], 1),
+                 "int64": r.positions.long()}[case]
+    bad = dataclasses.replace(r, positions=positions)
+    snap = snapshot(bad)
+    exc, msg = {"expanded": (ValueError, "positions must not have internally overlapping memory"),
+                "wide": (ValueError, r"positions must have shape \(batch=3, capacity=%d\)" % r.capacity),
+                "int64": (TypeError, "positions")}[case]
+
+    def reset(cache, rows):
+        return kvcache.reset_rows_ring_layer_cache(cache, rows).length + 0
+
+    raise_same(reset, (bad, torch.tensor([1])), exc, msg, compiled)
+    assert_unchanged(bad, snap)
