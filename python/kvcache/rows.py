@@ -99,14 +99,25 @@ def select_rows_kv_layer_cache(cache: KVLayerCache, index: torch.Tensor) -> KVLa
     if not isinstance(cache, KVLayerCache):
         raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
     check_length_writable(cache.length)
-    if cache.k_scale is not None or cache.v_scale is not None:
+    quantized = cache.k_scale is not None or cache.v_scale is not None
+    if quantized:
         check_scales(cache.keys, cache.values, cache.k_scale, cache.v_scale)
-        # The scales are indexed like the slots: moved as (..., max_len, 1)
-        # caches by the same operator, with the same checks (a call that
-        # fails raises before either writes anything).
+        _check_scales_index(cache.k_scale, cache.v_scale, index)
+    length = _select_rows_op(cache.keys, cache.values, cache.length, index)
+    if quantized:
+        # The scales are indexed like the slots: moved as (..., max_len, 1) caches by the same
+        # operator (index and scales were checked above).
         _select_rows_op(cache.k_scale.unsqueeze(-1), cache.v_scale.unsqueeze(-1), cache.length, index)
-    cache.length.copy_(_select_rows_op(cache.keys, cache.values, cache.length, index))
+    cache.length.copy_(length)
     return cache
+
+
+def _check_scales_index(k_scale: torch.Tensor, v_scale: torch.Tensor, index: torch.Tensor) -> None:
+    # The scales move in a second select_rows_ call, after the data: its checks of the index against
+    # the scales (shape, range, no memory shared with them) run here first, by a call over lengths of
+    # 0, which moves nothing, so that a refusal comes before the data move.
+    zero = torch.zeros((), dtype=torch.int32, device=k_scale.device)
+    _select_rows_op(k_scale.unsqueeze(-1), v_scale.unsqueeze(-1), zero, index)
 
 
 def reset_rows_kv_layer_cache(cache: KVLayerCache, rows: torch.Tensor) -> KVLayerCache:
@@ -236,6 +247,8 @@ def select_rows_ring_layer_cache(cache: RingLayerCache, index: torch.Tensor) -> 
     # The operator moves whole rows (a full length), so the ring's own length, which moves after
     # the data, is checked here: 0-D or (batch,), int32 / int64, on the cache's device.
     check_row_ints(cache.length, "length", cache.keys)
+    if cache.k_scale is not None:
+        _check_scales_index(cache.k_scale, cache.v_scale, index)
     full = torch.full((), cache.capacity, dtype=torch.int32, device=cache.length.device)
     # Validates index (CPU: raises before any write; CUDA: -1 and no write).
     moved = _select_rows_op(cache.keys, cache.values, full, index)

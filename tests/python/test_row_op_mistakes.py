@@ -404,3 +404,22 @@ def test_reset_rows_ring_refuses_bad_positions_before_any_change(case, compiled)
 
     raise_same(reset, (bad, torch.tensor([1])), exc, msg, compiled)
     assert_unchanged(bad, snap)
+
+
+@pytest.mark.parametrize("layout", ["linear", "ring"])
+@pytest.mark.parametrize("inside", ["data", "scales"])
+def test_quantized_select_refuses_an_index_inside_the_cache_before_any_move(layout, inside):
+    """A quantized select moves data and scales in two operator calls: an index lying in the
+    memory of either is refused before the first moves anything."""
+    cache = ring("int8") if layout == "ring" else linear("int8")
+    if layout == "linear":
+        cache = dataclasses.replace(cache, length=torch.full((B,), 3, dtype=torch.int32))
+    holder = cache.keys if inside == "data" else cache.k_scale
+    index = holder.view(torch.int32 if inside == "scales" else torch.int8).reshape(-1)
+    index = index.view(torch.int32)[-B:] if inside == "data" else index[-B:]
+    index.copy_(torch.tensor([2, 0, 1], dtype=torch.int32))
+    snap = snapshot(cache)
+    select = kvcache.select_rows_ring_layer_cache if layout == "ring" else kvcache.select_rows_kv_layer_cache
+    with pytest.raises(ValueError, match="index must not share memory"):
+        select(cache, index)
+    assert_unchanged(cache, snap)
