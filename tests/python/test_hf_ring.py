@@ -429,3 +429,29 @@ def test_quantized_rings(kv_dtype):
     assert err < {"int8": 0.05, "fp8": 0.1}[kv_dtype] * ref.abs().max().item(), err
     cache.crop(-2)  # rollback moves nothing: lengths only
     assert all(la.lengths.tolist() == [38] for la in rings(cache))
+
+
+def test_overflow_refused_before_the_rings_before_the_first_full_layer_write():
+    """Gemma-3's layer 0 is a ring and layer 1 a full layer, whose write refuses a chunk past
+    max_len: the refusal comes before layer 0 writes, on the first step and on a later one, and the
+    cache then serves a chunk that fits as if the refused one never came."""
+    model = _model("gemma3")
+    model.set_attn_implementation(kh.ATTN_IMPLEMENTATION)
+    x = torch.randint(3, VOCAB, (1, 14), generator=torch.Generator().manual_seed(3))
+    cache = kh.KVCache(model.config, 10)
+    with pytest.raises(ValueError, match=r"KV cache overflow: end=12 exceeds max_len=10"):
+        _forward(model, x[:, :12], cache, 0)
+    assert all(not la.is_initialized for la in cache.layers)
+    _forward(model, x[:, :8], cache, 0)
+    before = [(la.lengths.clone(), getattr(la, "positions", None)) for la in cache.layers]
+    before = [(n, None if p is None else p.clone()) for n, p in before]
+    with pytest.raises(ValueError, match=r"KV cache overflow: end=11 exceeds max_len=10"):
+        _forward(model, x[:, 8:11], cache, 8)
+    for la, (n, p) in zip(cache.layers, before):
+        assert torch.equal(la.lengths, n)
+        if p is not None:
+            assert torch.equal(la.positions, p)
+    fresh = kh.KVCache(model.config, 10)
+    _forward(model, x[:, :8], fresh, 0)
+    torch.testing.assert_close(_forward(model, x[:, 8:10], cache, 8), _forward(model, x[:, 8:10], fresh, 8),
+                               atol=0, rtol=0)

@@ -219,6 +219,9 @@ class KVCache(Cache):
             for i, layer in ours:
                 layer.allocate(batch_size, _local_heads(heads[i], tp), dims[i], dtype, dev)
         self._attn_checked = False
+        # The first linear (non-ring) kvcache layer: the one whose write refuses a chunk that overflows
+        # max_cache_len (rings never overflow), so that the rings before it ask it first.
+        self._first_linear = next((i for i, l in ours if not isinstance(l, KVRingLayer)), None)
 
     def __repr__(self) -> str:
         return f"KVCache(max_cache_len={self.max_cache_len}, layers={self.layers})"
@@ -253,6 +256,8 @@ class KVCache(Cache):
                     f"model.set_attn_implementation('{ATTN_IMPLEMENTATION}')) to read only the filled slots.",
                     stacklevel=3)
         layer = self.layers[layer_idx]
+        if isinstance(layer, KVRingLayer) and self._first_linear is not None and layer_idx < self._first_linear:
+            self._check_linear_room(key_states.shape[-2])
         if isinstance(layer, KVRingLayer):
             # Another attention reads through transformers' masks: give it the ring's positions
             # laid out linearly (a temporary of max_cache_len slots, O(capacity) like StaticCache).
@@ -264,6 +269,19 @@ class KVCache(Cache):
                     "written)")
             return layer.update(key_states, value_states, *args, linear_view=linear, **kwargs)
         return layer.update(key_states, value_states, *args, **kwargs)
+
+    def _check_linear_room(self, chunk: int) -> None:
+        # A ring layer before the first linear layer would be written before that layer refuses an
+        # overflowing chunk: the step's first layers ask it first, so that nothing is written. Its
+        # lengths are read on CPU (values known there, as the write's own check reads them); on CUDA
+        # the write does not raise (it poisons the lengths), and neither does this.
+        lin = self.layers[self._first_linear]
+        if _compiling() or (lin.is_initialized and lin.lengths.device.type != "cpu"):
+            return
+        end = (int(lin.lengths.max()) if lin.is_initialized and lin.lengths.numel() else 0) + int(chunk)
+        if end > lin.max_cache_len:
+            raise ValueError(f"KV cache overflow: end={end} exceeds max_len={lin.max_cache_len} (layer "
+                             f"{self._first_linear}; nothing was written)")
 
     def rollback(self, n) -> None:
         """Drops the last ``n[b]`` tokens of each row (int, 0-D or ``(batch,)`` device tensor), every kvcache layer.
