@@ -443,8 +443,8 @@ def test_overflow_refused_before_the_rings_before_the_first_full_layer_write():
         _forward(model, x[:, :12], cache, 0)
     assert all(not la.is_initialized for la in cache.layers)
     _forward(model, x[:, :8], cache, 0)
-    before = [(la.lengths.clone(), getattr(la, "positions", None)) for la in cache.layers]
-    before = [(n, None if p is None else p.clone()) for n, p in before]
+    before = [(la.lengths.clone(), la.positions.clone() if isinstance(la, kh.KVRingLayer) else None)
+              for la in cache.layers]
     with pytest.raises(ValueError, match=r"KV cache overflow: end=11 exceeds max_len=10"):
         _forward(model, x[:, 8:11], cache, 8)
     for la, (n, p) in zip(cache.layers, before):

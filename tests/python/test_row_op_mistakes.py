@@ -415,8 +415,7 @@ def test_quantized_select_refuses_an_index_inside_the_cache_before_any_move(layo
     if layout == "linear":
         cache = dataclasses.replace(cache, length=torch.full((B,), 3, dtype=torch.int32))
     holder = cache.keys if inside == "data" else cache.k_scale
-    index = holder.view(torch.int32 if inside == "scales" else torch.int8).reshape(-1)
-    index = index.view(torch.int32)[-B:] if inside == "data" else index[-B:]
+    index = holder.reshape(-1).view(torch.int32)[-B:]  # the last B int32s of the holder's memory
     index.copy_(torch.tensor([2, 0, 1], dtype=torch.int32))
     snap = snapshot(cache)
     select = kvcache.select_rows_ring_layer_cache if layout == "ring" else kvcache.select_rows_kv_layer_cache
