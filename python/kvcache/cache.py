@@ -15,7 +15,8 @@ from typing import Optional, Tuple, Union
 import torch
 
 from ._torchscript import make_scriptable
-from .common import INT64_MAX, INT64_MIN, as_int, as_window, check_real, kv_dtype_of, raise_out_of_range_start
+from .common import (INT64_MAX, INT64_MIN, as_int, as_window, check_real, check_tensor_args, kv_dtype_of,
+                     raise_out_of_range_start)
 from .ring import RingKV, RingLayerCache, attend_ring
 from .config import TransformerConfig
 
@@ -191,6 +192,7 @@ def update_kv_layer_cache(
         return KVLayerCache(cache.keys, cache.values, length, ks, vs)
     if not isinstance(cache, KVLayerCache):
         raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
+    check_tensor_args(keys_new=keys_new, values_new=values_new)
     keys, values = cache.keys, cache.values
     ks, vs = cache.k_scale, cache.v_scale
     # One write for both formats: the scales (None for a plain cache) pick
@@ -326,6 +328,7 @@ def append_kv_layer_cache(cache: KVLayerCache, keys_new: torch.Tensor, values_ne
         return cache
     if not isinstance(cache, KVLayerCache):
         raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
+    check_tensor_args(keys_new=keys_new, values_new=values_new)
     _append(cache.keys, cache.values, cache.length, keys_new, values_new, cache.k_scale, cache.v_scale)
     return cache
 
@@ -423,6 +426,7 @@ def attend(
             v_scale=cache.v_scale,
             sink_logits=sink_logits,
         )
+    check_tensor_args(q=q, kv_start=kv_start, sink_logits=sink_logits, optional=("kv_start", "sink_logits"))
     window_ = as_window(window)
     if not isinstance(cache, KVLayerCache):  # attend_ring checks scale and softcap itself
         return _attend_ring(q, cache, kv_start, scale, window, softcap, sink_logits)

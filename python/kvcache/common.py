@@ -63,6 +63,26 @@ def check_length_writable(length: torch.Tensor) -> None:
     _check_lengths_writable_op(length)
 
 
+def check_tensor_args(optional: tuple = (), **args) -> None:
+    """Raises a TypeError naming the first of ``args`` that is not a tensor.
+
+    The operators' own parsing would refuse a list or a numpy array with a RuntimeError; the
+    Python API says TypeError, as for every other type mistake.
+
+    Args:
+        optional: The names that may also be ``None``.
+        **args: Each argument's name and value, in the function's order.
+
+    Raises:
+        TypeError: ``"<name> must be a torch.Tensor (or None), got <type>"``.
+    """
+    for name, value in args.items():
+        if isinstance(value, torch.Tensor) or (value is None and name in optional):
+            continue
+        alt = " or None" if name in optional else ""
+        raise TypeError(f"{name} must be a torch.Tensor{alt}, got {type(value).__name__}")
+
+
 def check_row_ints(t, name: str, keys: torch.Tensor) -> None:
     """Raises unless ``t`` is one int per row of ``keys``, as the operators take per-row lengths.
 

@@ -24,7 +24,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Union
 import torch
 
 from ._torchscript import make_scriptable
-from .common import as_int, as_window, check_real, kv_dtype_of
+from .common import as_int, as_window, check_real, check_tensor_args, kv_dtype_of
 
 _write_op = torch.ops.kvcache.paged_write_.default
 _attend_op = torch.ops.kvcache.paged_attend.default
@@ -69,6 +69,8 @@ def write_pages(
         torch.ops.kvcache.paged_write_(key_pages, value_pages, key, value, slot_mapping, key_scales=key_scales,
                                        value_scales=value_scales)
         return
+    check_tensor_args(key_pages=key_pages, value_pages=value_pages, key=key, value=value, slot_mapping=slot_mapping,
+                      key_scales=key_scales, value_scales=value_scales, optional=("key_scales", "value_scales"))
     _write_op(key_pages, value_pages, key, value, slot_mapping, key_scales=key_scales,
               value_scales=value_scales)
 
@@ -131,6 +133,10 @@ def attend_pages(
                                               scale=scale, window=0 if window is None else window, softcap=softcap_,
                                               key_scales=key_scales, value_scales=value_scales,
                                               sink_logits=sink_logits)
+    check_tensor_args(q=q, key_pages=key_pages, value_pages=value_pages, block_table=block_table,
+                      context_lens=context_lens, cu_seqlens_q=cu_seqlens_q, sink_logits=sink_logits,
+                      key_scales=key_scales, value_scales=value_scales,
+                      optional=("sink_logits", "key_scales", "value_scales"))
     check_real(scale=scale, softcap=softcap)
     return _attend_op(q, key_pages, value_pages, block_table, context_lens, cu_seqlens_q,
                       scale=scale, window=as_window(window), softcap=softcap_,

@@ -36,7 +36,7 @@ from typing import Optional, Union
 
 import torch
 
-from .common import as_int, check_length_writable, check_real, kv_dtype_of
+from .common import as_int, check_length_writable, check_real, check_tensor_args, kv_dtype_of
 
 _init_op = torch.ops.kvcache.init_layer_cache.default
 _write_op = torch.ops.kvcache.update_.Tensor
@@ -232,6 +232,7 @@ def ring_write(cache: RingLayerCache, keys_new, values_new, start_t) -> torch.Te
     ``v_scale``; None for a plain ring). The shared core of every ring write
     (:mod:`kvcache.rows` runs it with an empty chunk to check a ring's tensors).
     """
+    check_tensor_args(keys_new=keys_new, values_new=values_new)
     return _write_op(
         cache.keys,
         cache.values,
@@ -372,6 +373,7 @@ def write_ring_layer_cache(
             place (an ``expand()``-ed view). Nothing is written.
     """
     check_ring(cache)
+    check_tensor_args(keys_new=keys_new, values_new=values_new)
     if start is None:
         # cache.length is advanced by a copy_ after the write: refuse a length
         # that copy_ could not write (an expand()ed view) before anything is
@@ -461,6 +463,7 @@ def attend_ring(
     """
     if not isinstance(kv, (RingLayerCache, RingKV)):
         raise TypeError(f"kv must be a RingLayerCache or RingKV, got {type(kv).__name__}")
+    check_tensor_args(q=q, kv_start=kv_start, sink_logits=sink_logits, optional=("kv_start", "sink_logits"))
     check_real(scale=scale, softcap=softcap)
     return _attend_op(
         q,

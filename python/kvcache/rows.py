@@ -13,7 +13,7 @@ import torch
 
 from .cache import KVLayerCache
 from .common import (INT64_MAX, INT64_MIN, as_int, check_length_writable, check_row_ints, check_scale_pair,
-                     check_scales)
+                     check_scales, check_tensor_args)
 from .ring import RingLayerCache, check_ring, ring_write
 
 _rollback_op = torch.ops.kvcache.rollback.default
@@ -63,6 +63,7 @@ def rollback_kv_layer_cache(
         if n > INT64_MAX:
             raise ValueError(f"cannot roll back more tokens than the row holds: n={n} does not fit in int64")
         n = torch.tensor(n, dtype=torch.int64, device=cache.length.device)
+    check_tensor_args(kv_start=kv_start, optional=("kv_start",))
     check_length_writable(cache.length)
     cache.length.copy_(_rollback_op(cache.length, n, kv_start=kv_start))
     return cache
@@ -98,6 +99,7 @@ def select_rows_kv_layer_cache(cache: KVLayerCache, index: torch.Tensor) -> KVLa
     """
     if not isinstance(cache, KVLayerCache):
         raise TypeError(f"cache must be a KVLayerCache, got {type(cache).__name__}")
+    check_tensor_args(index=index)
     check_length_writable(cache.length)
     quantized = cache.k_scale is not None or cache.v_scale is not None
     if quantized:
@@ -195,6 +197,7 @@ def rollback_ring_layer_cache(
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
         n = torch.tensor(n, dtype=torch.int64, device=cache.length.device)
+    check_tensor_args(kv_start=kv_start, optional=("kv_start",))
     check_length_writable(cache.length)
     cache.length.copy_(_rollback_op(cache.length, n, kv_start=kv_start))
     return cache
@@ -242,6 +245,7 @@ def select_rows_ring_layer_cache(cache: RingLayerCache, index: torch.Tensor) -> 
             not float32.
     """
     check_ring(cache)
+    check_tensor_args(index=index)
     check_length_writable(cache.length)
     check_ring_tensors(cache)
     # The operator moves whole rows (a full length), so the ring's own length, which moves after

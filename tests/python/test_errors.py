@@ -251,3 +251,64 @@ def test_attend_float_options_are_numbers(cache, name, value, got, layout):
         call(**{name: value})
     for ok in (0.5, 2, np.float32(0.5), torch.tensor(0.5)):
         call(**{name: ok})
+
+
+# A list, a numpy array or None where a tensor goes: a TypeError naming the argument (the
+# operators' own parsing would raise a RuntimeError), before anything is written.
+def _plain_lin():
+    c = kvcache.init_kv_layer_cache(2, 1, 4, 8, torch.float32)
+    return kvcache.KVLayerCache(c.keys, c.values, torch.tensor([3, 3], dtype=torch.int32))
+
+
+def _plain_ring():
+    import dataclasses
+
+    r = kvcache.init_ring_layer_cache(2, 1, 4, 4, torch.float32, max_step=2)
+    return dataclasses.replace(r, length=torch.tensor([3, 3], dtype=torch.int32))
+
+
+_KN = torch.randn(2, 1, 1, 4)
+_Q = torch.randn(2, 2, 1, 4)
+NOT_TENSORS = [
+    ("kv_start", "list", lambda c: kvcache.attend(_Q, c, kv_start=[0, 1])),
+    ("kv_start", "int", lambda c: kvcache.attend(_Q, c, kv_start=1)),
+    ("sink_logits", "list", lambda c: kvcache.attend(_Q, c, sink_logits=[0.0, 0.0])),
+    ("q", "ndarray", lambda c: kvcache.attend(_Q.numpy(), c)),
+    ("keys_new", "ndarray", lambda c: kvcache.update_kv_layer_cache(c, _KN.numpy(), _KN, 1)),
+    ("keys_new", "NoneType", lambda c: kvcache.update_kv_layer_cache(c, None, _KN, 1)),
+    ("values_new", "list", lambda c: kvcache.append_kv_layer_cache(c, _KN, [1.0])),
+    ("index", "list", lambda c: kvcache.select_rows_kv_layer_cache(c, [1, 0])),
+    ("kv_start", "list", lambda c: kvcache.rollback_kv_layer_cache(c, 1, kv_start=[0, 0])),
+]
+RING_NOT_TENSORS = [
+    ("index", "list", lambda r: kvcache.select_rows_ring_layer_cache(r, [1, 0])),
+    ("values_new", "list", lambda r: kvcache.update_ring_layer_cache(r, _KN, [1.0], 0)),
+    ("keys_new", "ndarray", lambda r: kvcache.write_ring_layer_cache(r, _KN.numpy(), _KN)),
+    ("kv_start", "list", lambda r: kvcache.attend(_Q, r, kv_start=[0, 0])),
+]
+
+
+@pytest.mark.parametrize("layout", ["linear", "ring"])
+def test_not_a_tensor_is_a_type_error_naming_it(layout):
+    make, cases = (_plain_lin, NOT_TENSORS) if layout == "linear" else (_plain_ring, RING_NOT_TENSORS)
+    for name, kind, call in cases:
+        cache = make()
+        before = [t.clone() for t in (cache.keys, cache.values, cache.length)]
+        with pytest.raises(TypeError, match=rf"^{name} must be a torch.Tensor( or None)?, got {kind}$"):
+            call(cache)
+        assert all(torch.equal(a, b) for a, b in zip(before, (cache.keys, cache.values, cache.length))), name
+
+
+def test_paged_not_a_tensor_is_a_type_error_naming_it():
+    from kvcache.paged import attend_pages, init_paged_cache, write_pages
+
+    pc = init_paged_cache(4, 2, 1, 4, torch.float32)
+    with pytest.raises(TypeError, match=r"^slot_mapping must be a torch.Tensor, got list$"):
+        write_pages(pc.key_pages, pc.value_pages, torch.randn(2, 1, 4), torch.randn(2, 1, 4), [0, 1])
+    with pytest.raises(TypeError, match=r"^context_lens must be a torch.Tensor, got list$"):
+        attend_pages(torch.randn(1, 1, 4), pc.key_pages, pc.value_pages, torch.zeros(1, 1, dtype=torch.int32), [1],
+                      torch.tensor([0, 1], dtype=torch.int32))
+    with pytest.raises(TypeError, match=r"^sink_logits must be a torch.Tensor or None, got list$"):
+        attend_pages(torch.randn(1, 1, 4), pc.key_pages, pc.value_pages, torch.zeros(1, 1, dtype=torch.int32),
+                     torch.tensor([1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), sink_logits=[0.0])
+    assert not pc.key_pages.any()

@@ -25,7 +25,7 @@ def script(module):
 
 def find_or_build_runner() -> str:
     """KVCACHE_RUNNER (scripts/test.sh sets it), or kvcache_run built with CMake
-    against the running torch in build/runner-<torch version>/ when missing (linked
+    against the running torch in build/runner-<torch version>/ (rebuilt when its sources changed; linked
     to the imported package's libkvcache.so: only the runner's source compiles).
 
     Fails showing cmake's output when the build fails; skips when cmake (or,
@@ -70,18 +70,20 @@ def find_or_build_runner() -> str:
     # One folder per torch: a runner linked against another torch must not be reused.
     build = os.path.join(ROOT, "build", f"runner-{torch.__version__}")
     path = os.path.join(build, "kvcache_run")
-    if os.path.exists(path):
-        return path
     if shutil.which("cmake") is None:
+        if os.path.exists(path):
+            return path
         pytest.skip("cmake is not installed: cannot build kvcache_run")
-    # The runner links the library this process imported (through its package config): one
-    # source file to compile, not the whole library again.
-    package = os.path.dirname(os.path.abspath(kvcache.__file__))
-    args = ["cmake", "-S", ROOT, "-B", build, f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
-            "-DKVCACHE_BUILD_TESTS=OFF", f"-DKVCACHE_PREBUILT_PACKAGE={package}"]
-    if torch.version.cuda is not None:
-        args += cuda_args()
-    run(args, "configuring kvcache_run")
+    if not os.path.exists(os.path.join(build, "CMakeCache.txt")):
+        # The runner links the library this process imported (through its package config): one
+        # source file to compile, not the whole library again.
+        package = os.path.dirname(os.path.abspath(kvcache.__file__))
+        args = ["cmake", "-S", ROOT, "-B", build, f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
+                "-DKVCACHE_BUILD_TESTS=OFF", f"-DKVCACHE_PREBUILT_PACKAGE={package}"]
+        if torch.version.cuda is not None:
+            args += cuda_args()
+        run(args, "configuring kvcache_run")
+    # Built every time (a no-op when up to date): a runner from older sources is not reused.
     run(["cmake", "--build", build, "--target", "kvcache_run", "-j", str(os.cpu_count() or 1)],
         "building kvcache_run")
     return path
