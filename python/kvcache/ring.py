@@ -373,7 +373,6 @@ def write_ring_layer_cache(
             place (an ``expand()``-ed view). Nothing is written.
     """
     check_ring(cache)
-    check_tensor_args(keys_new=keys_new, values_new=values_new)
     if start is None:
         # cache.length is advanced by a copy_ after the write: refuse a length
         # that copy_ could not write (an expand()ed view) before anything is

@@ -256,9 +256,9 @@ class KVCache(Cache):
                     f"model.set_attn_implementation('{ATTN_IMPLEMENTATION}')) to read only the filled slots.",
                     stacklevel=3)
         layer = self.layers[layer_idx]
-        if isinstance(layer, KVRingLayer) and self._first_linear is not None and layer_idx < self._first_linear:
-            self._check_linear_room(key_states.shape[-2])
         if isinstance(layer, KVRingLayer):
+            if self._first_linear is not None and layer_idx < self._first_linear:
+                self._check_linear_room(key_states.shape[-2])
             # Another attention reads through transformers' masks: give it the ring's positions
             # laid out linearly (a temporary of max_cache_len slots, O(capacity) like StaticCache).
             linear = getattr(self.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION
