@@ -22,6 +22,7 @@ loops: pages smaller than the kernel's 64-slot block are gathered a block at a t
 """
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -31,6 +32,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 import kvcache  # noqa: E402
 from kvcache.paged import attend_pages  # noqa: E402
+
+
+def _zeros(shape, dtype, device):
+    """A cache buffer allocated as kvcache's inits allocate theirs (``kvcache._C.cache_zeros``: on
+    the CPU in transparent huge pages unless KVCACHE_HUGE_PAGES=0)."""
+    return kvcache._C.cache_zeros(list(shape), dtype, torch.device(device))
+
+
+def _buffer(src):
+    """``src`` copied into a buffer from :func:`_zeros`."""
+    return _zeros(src.shape, src.dtype, src.device).copy_(src)
 
 
 def case(batch, heads, kv_heads, dim, max_len, block_size, dtype, seed=0, device="cpu", q_len=1):
@@ -44,20 +56,21 @@ def case(batch, heads, kv_heads, dim, max_len, block_size, dtype, seed=0, device
     per = -(-max_len // block_size)
     nb = batch * per
     table = torch.randperm(nb, generator=g)[: batch * per].view(batch, per).to(torch.int32)
-    kp = torch.zeros(nb, block_size, kv_heads, dim, dtype=dtype)
-    vp = torch.zeros(nb, block_size, kv_heads, dim, dtype=dtype)
     pos = torch.arange(max_len)
     slots = (table.long()[:, pos // block_size] * block_size + pos % block_size).reshape(-1)
-    kp.view(-1, kv_heads, dim)[slots] = keys.permute(0, 2, 1, 3).reshape(-1, kv_heads, dim)
-    vp.view(-1, kv_heads, dim)[slots] = values.permute(0, 2, 1, 3).reshape(-1, kv_heads, dim)
+    # Every cache buffer is allocated on the device as the inits allocate theirs (_buffer).
+    kp = _zeros((nb, block_size, kv_heads, dim), dtype, device)
+    vp = _zeros((nb, block_size, kv_heads, dim), dtype, device)
+    kp.view(-1, kv_heads, dim)[slots.to(device)] = keys.permute(0, 2, 1, 3).reshape(-1, kv_heads, dim).to(device)
+    vp.view(-1, kv_heads, dim)[slots.to(device)] = values.permute(0, 2, 1, 3).reshape(-1, kv_heads, dim).to(device)
     lens = lens.clamp(min=q_len)
     q = torch.randn(batch, heads, q_len, dim, generator=g).to(dtype)
-    keys, values, lens, kp, vp, table, q = (t.to(device) for t in (keys, values, lens, kp, vp, table, q))
-    cache = kvcache.KVLayerCache(keys, values, lens)
+    keys, values, lens, table, q = (t.to(device) for t in (keys, values, lens, table, q))
+    cache = kvcache.KVLayerCache(_buffer(keys), _buffer(values), lens)
     # The same tokens in token-major memory ((batch, max_len, kv_heads, head_dim), each slot's
     # heads side by side as in a page), viewed head-major: no pages, the pages' slot layout.
-    token_major = kvcache.KVLayerCache(keys.transpose(1, 2).contiguous().transpose(1, 2),
-                                       values.transpose(1, 2).contiguous().transpose(1, 2), lens)
+    token_major = kvcache.KVLayerCache(_buffer(keys.transpose(1, 2)).transpose(1, 2),
+                                       _buffer(values.transpose(1, 2)).transpose(1, 2), lens)
     # Each sequence's queries are its last q_len tokens, in both calls.
     cu = torch.arange(batch + 1, dtype=torch.int32, device=device) * q_len
     q3 = q.transpose(1, 2).reshape(batch * q_len, heads, dim).contiguous()
@@ -87,6 +100,21 @@ def case(batch, heads, kv_heads, dim, max_len, block_size, dtype, seed=0, device
     return contiguous, contiguous_tm, paged, packed_sdpa
 
 
+@contextlib.contextmanager
+def _huge_pages(on: bool):
+    """Allocations inside get huge pages (kvcache's default) or 4 KB pages (KVCACHE_HUGE_PAGES=0,
+    read at each allocation)."""
+    old = os.environ.get("KVCACHE_HUGE_PAGES")
+    os.environ["KVCACHE_HUGE_PAGES"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["KVCACHE_HUGE_PAGES"]
+        else:
+            os.environ["KVCACHE_HUGE_PAGES"] = old
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python benchmarks/bench_paged.py", description=__doc__.splitlines()[0])
     common.add_common_args(p)
@@ -101,6 +129,10 @@ def main(argv=None):
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median reported)")
+    p.add_argument("--huge-pages", choices=["on", "off", "both"], default="on",
+                   help="CPU cache buffers in transparent huge pages, as kvcache's inits allocate them (on), in "
+                        "4 KB pages (off: KVCACHE_HUGE_PAGES=0), or both in the same rounds (both: adds "
+                        "contiguous_4k_us, paged_4k_us and huge_gain = paged_4k_us / paged_us)")
     args = p.parse_args(argv)
     time_sdpa = args.packed_sdpa and args.q_len == 1  # the packed SDPA stand-in is a decode step
     device = torch.device(args.device)
@@ -115,10 +147,15 @@ def main(argv=None):
                 for bs in args.block_sizes:
                     first = {}
                     for batch in args.batch:
-                        contiguous, token_major, paged, packed = case(batch, args.heads, args.kv_heads,
-                                                                      args.head_dim, args.max_len, bs, dtype,
-                                                                      device=device, q_len=args.q_len)
+                        geometry = (batch, args.heads, args.kv_heads, args.head_dim, args.max_len, bs, dtype)
+                        with _huge_pages(args.huge_pages != "off"):
+                            contiguous, token_major, paged, packed = case(*geometry, device=device,
+                                                                          q_len=args.q_len)
                         fns = {"contiguous": contiguous, "token_major": token_major, "paged": paged}
+                        if args.huge_pages == "both":
+                            with _huge_pages(False):
+                                fns["contiguous_4k"], _, fns["paged_4k"], _ = case(*geometry, device=device,
+                                                                                   q_len=args.q_len)
                         if time_sdpa:
                             fns["packed_sdpa"] = packed
                         t = common.measure_many(fns, device, args.min_time, args.rounds)
@@ -131,6 +168,10 @@ def main(argv=None):
                                    max_len=args.max_len, contiguous_us=c_us, token_major_us=tm_us,
                                    paged_us=p_us, ratio=p_us / c_us, vs_token_major=p_us / tm_us,
                                    paged_spread=common.spread(t["paged"]), vs_first_batch=p_us / first["paged"])
+                        if args.huge_pages == "both":
+                            p4 = t["paged_4k"]["median_us"]
+                            row.update(contiguous_4k_us=t["contiguous_4k"]["median_us"], paged_4k_us=p4,
+                                       huge_gain=p4 / p_us)
                         if time_sdpa:
                             s_us = t["packed_sdpa"]["median_us"]
                             row.update(packed_sdpa_us=s_us, sdpa_vs_first_batch=s_us / first["sdpa"])
@@ -138,6 +179,8 @@ def main(argv=None):
     cols = ["threads", "dtype", "block_size", "batch", "q_len", "max_len", "contiguous_us", "token_major_us",
             "paged_us",
             "paged_spread", "ratio", "vs_token_major", "vs_first_batch"]
+    if args.huge_pages == "both":
+        cols += ["contiguous_4k_us", "paged_4k_us", "huge_gain"]
     if time_sdpa:
         cols += ["packed_sdpa_us", "sdpa_vs_first_batch"]
     what = "decode" if args.q_len == 1 else f"{args.q_len}-token chunk"

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "../core/checks.h"
+#include "../core/memory.h"
 
 namespace kvcache {
 namespace detail {
@@ -67,9 +68,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> init_layer_cache(
   const std::vector<c10::SymInt> shape{batch_size, num_kv_heads, max_len,
                                        head_dim};
   // Two allocations on purpose: the caches are updated in place, so a shared
-  // buffer (as in the JAX original) would make keys and values alias.
-  at::Tensor keys = at::zeros_symint(shape, opts);
-  at::Tensor values = at::zeros_symint(shape, opts);
+  // buffer (as in the JAX original) would make keys and values alias. On the
+  // CPU in huge pages (core/memory.h).
+  at::Tensor keys = detail::cache_zeros(shape, opts);
+  at::Tensor values = detail::cache_zeros(shape, opts);
   at::Tensor length = at::zeros({}, opts.dtype(at::kInt));
   return {std::move(keys), std::move(values), std::move(length)};
 }

@@ -1,9 +1,10 @@
 // init_layer_cache: zero-filled keys and values and a 0 length.
 //
 // It has no tensor argument, so the dispatcher cannot pick a backend from
-// its inputs: it is one CompositeExplicitAutograd kernel, and at::zeros
+// its inputs: it is one CompositeExplicitAutograd kernel, and the allocation
 // routes to the backend named by `device` (CPU, CUDA, ...). On CUDA the fill
-// is an async memset on the current stream.
+// is an async memset on the current stream; on the CPU the buffers are
+// advised into huge pages first (core/memory.h).
 #pragma once
 
 #include <ATen/core/Tensor.h>

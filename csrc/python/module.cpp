@@ -13,9 +13,11 @@
 #include <torch/extension.h>
 
 #include <optional>
+#include <vector>
 
 #include "kvcache/attend_cpu.h"
 #include "kvcache/build_info.h"
+#include "../core/memory.h"
 #include "../ops/attend.h"
 #include "../ops/init_layer_cache.h"
 #include "../ops/operators.h"
@@ -94,6 +96,31 @@ Returns:
   dict with ``with_cuda`` (bool: CUDA kernels compiled in), ``torch_version``
   (the torch the library was compiled against), ``cuda_version`` and
   ``cuda_archs`` (empty strings for a CPU-only build).
+)doc");
+
+  m.def(
+      "cache_zeros",
+      [](std::vector<int64_t> shape, at::ScalarType dtype, std::optional<at::Device> device) {
+        std::vector<c10::SymInt> sym(shape.begin(), shape.end());
+        return kvcache::detail::cache_zeros(
+            sym, at::TensorOptions().dtype(dtype).device(device.value_or(at::kCPU)));
+      },
+      py::arg("shape"), py::arg("dtype"), py::arg("device") = std::nullopt,
+      R"doc(Returns a zero-filled contiguous buffer for a cache, as ``torch.zeros``.
+
+On the CPU (Linux) the buffer's 2 MB aligned part is advised into
+transparent huge pages before it is filled (``madvise(MADV_HUGEPAGE)``):
+fewer TLB misses when attend reads the cache (csrc/core/memory.h);
+``KVCACHE_HUGE_PAGES=0`` turns this off. ``init_layer_cache`` allocates
+keys and values this way.
+
+Args:
+  shape: sizes (ints >= 0).
+  dtype: a ``torch.dtype``.
+  device: ``None`` (CPU) or a ``torch.device``.
+
+Returns:
+  torch.Tensor of ``shape`` and ``dtype`` on ``device``, zero-filled.
 )doc");
 
   m.def(

@@ -100,8 +100,10 @@ def init_kv_layer_cache(
             quantize, :func:`attend` dequantizes in registers.
 
     Returns:
-        :class:`KVLayerCache` with zero buffers (two separate allocations)
-        and ``length = 0`` (and scales of 1 for a quantized cache).
+        :class:`KVLayerCache` with zero buffers (two separate allocations;
+        on the CPU under Linux in transparent huge pages, which makes
+        reading long caches cheaper: ``KVCACHE_HUGE_PAGES=0`` turns that
+        off) and ``length = 0`` (and scales of 1 for a quantized cache).
 
     Raises:
         TypeError: If a size is not an int, ``dtype`` is not a

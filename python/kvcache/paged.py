@@ -23,6 +23,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 
+from . import _C
 from ._torchscript import make_scriptable
 from .common import as_int, as_window, check_real, check_tensor_args, kv_dtype_of
 
@@ -260,7 +261,9 @@ def init_paged_cache(
     *,
     kv_dtype=None,
 ) -> PagedKVCache:
-    """Zero-filled pages of one layer.
+    """Zero-filled pages of one layer (on the CPU under Linux in transparent huge pages, as
+    :func:`kvcache.init_kv_layer_cache`'s buffers: a block table visits the pool's pages in any
+    order, and 4 KB pages would cost a TLB miss each; ``KVCACHE_HUGE_PAGES=0`` turns that off).
 
     Args:
         num_blocks, block_size, num_kv_heads, head_dim: The page geometry (each >= 1).
@@ -285,8 +288,9 @@ def init_paged_cache(
                         f"attend_pages take), got {dtype}")
     store = kv_dtype_of(kv_dtype) or dtype
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k = torch.zeros(shape, dtype=store, device=device)
-    v = torch.zeros(shape, dtype=store, device=device)
+    dev = torch.device(device) if device is not None else None
+    k = _C.cache_zeros(shape, store, dev)
+    v = _C.cache_zeros(shape, store, dev)
     if store in (torch.int8, torch.float8_e4m3fn):
         ks = torch.ones(shape[:3], dtype=torch.float32, device=device)
         vs = torch.ones(shape[:3], dtype=torch.float32, device=device)

@@ -3,6 +3,10 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <string>
 #include <functional>
 #include <optional>
 #include <vector>
@@ -65,6 +69,37 @@ TEST_CASE("init_kv_layer_cache gives zeros and separate buffers and length 0", "
     REQUIRE(cache.max_len() == T);
   }
 }
+
+#if defined(__linux__)
+// The VmFlags of the mapping holding address a (/proc/self/smaps), or "".
+std::string vm_flags_at(uintptr_t a) {
+  std::ifstream f("/proc/self/smaps");
+  std::string line;
+  bool inside = false;
+  while (std::getline(f, line)) {
+    unsigned long lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2 && line.find(':') > line.find(' ')) {
+      inside = lo <= a && a < hi;
+    } else if (inside && line.rfind("VmFlags:", 0) == 0) {
+      return line;
+    }
+  }
+  return "";
+}
+
+TEST_CASE("init_kv_layer_cache advises its CPU buffers into huge pages", "[api]") {
+  if (!std::ifstream("/sys/kernel/mm/transparent_hugepage/enabled").good()) {
+    WARN("this kernel has no transparent huge pages");
+    return;
+  }
+  auto c = kvcache::init_kv_layer_cache(4, 4, 64, 4096, at::kFloat);  // 16 MB each
+  for (const at::Tensor& t : {c.keys, c.values}) {
+    const auto mid = reinterpret_cast<uintptr_t>(t.data_ptr()) + t.nbytes() / 2;
+    CHECK(vm_flags_at(mid).find(" hg") != std::string::npos);
+    CHECK(at::count_nonzero(t).item<int64_t>() == 0);
+  }
+}
+#endif
 
 TEST_CASE("update_kv_layer_cache with a host start writes from start to start+chunk", "[api]") {
   for (auto dtype : {at::kFloat, at::kHalf, at::kBFloat16, at::kFloat8_e5m2, at::kLong, at::kBool}) {

@@ -188,7 +188,10 @@ KVCACHE_API at::Tensor reset_rows(const at::Tensor& lengths,
 
 // ---- The API of the original module, and what a decode loop needs ---------
 
-/// Creates a zero-filled KVLayerCache with length 0.
+/// Creates a zero-filled KVLayerCache with length 0. On the CPU under Linux
+/// the buffers are advised into transparent huge pages before they are
+/// filled (fewer TLB misses when long caches are read; the environment
+/// variable KVCACHE_HUGE_PAGES=0 turns that off).
 KVCACHE_API KVLayerCache init_kv_layer_cache(int64_t batch_size,
                                              int64_t num_kv_heads,
                                              int64_t head_dim, int64_t max_len,
