@@ -516,37 +516,50 @@ const std::vector<int64_t>& BlockAllocator::table_of(int64_t seq) const {
 
 at::Tensor BlockAllocator::append(int64_t seq, int64_t n) {
   TORCH_CHECK_VALUE(n >= 0, "n must be >= 0, got ", n);
-  if (contains(seq)) {
-    TORCH_CHECK_VALUE(n <= std::numeric_limits<int32_t>::max() - lengths_.at(seq),
-                      "n must keep sequence ", seq, " within 2**31 - 1 tokens, got ",
-                      lengths_.at(seq), " + ", n);
-  } else {
+  auto it = tables_.find(seq);
+  const bool is_new = it == tables_.end();
+  static const std::vector<int64_t> kNone;
+  const std::vector<int64_t>& table = is_new ? kNone : it->second;
+  const int64_t length = is_new ? 0 : lengths_.at(seq);
+  if (is_new) {
     TORCH_CHECK_VALUE(n <= std::numeric_limits<int32_t>::max(), "n must keep sequence ", seq,
                       " within 2**31 - 1 tokens, got ", n);
+  } else {
+    TORCH_CHECK_VALUE(n <= std::numeric_limits<int32_t>::max() - length, "n must keep sequence ",
+                      seq, " within 2**31 - 1 tokens, got ", length, " + ", n);
   }
-  const bool is_new = !contains(seq);
-  std::vector<int64_t>& table = tables_[seq];
-  int64_t& length = lengths_[seq];
   const int64_t need =
       (length + n + block_size_ - 1) / block_size_ - static_cast<int64_t>(table.size());
   if (need > free_blocks()) {
-    if (is_new) {  // a new sequence that got nothing is not kept
-      tables_.erase(seq);
-      lengths_.erase(seq);
-    }
     throw std::runtime_error("out of pages: sequence " + std::to_string(seq) + " needs " +
                              std::to_string(need) + " more blocks, " +
                              std::to_string(free_blocks()) + " are free");
   }
   TORCH_CHECK_VALUE(length % block_size_ == 0 || refs_[table.back()] == 1,
                     "the last block of sequence ", seq, " is shared; fork() gives a copy");
-  for (int64_t i = 0; i < need; ++i) table.push_back(take());
+  // Everything that allocates comes first, so that an allocation failure
+  // leaves the allocator as it was: the grown table (over the blocks take()
+  // hands out next, the free list's last `need`), the slots, a new
+  // sequence's two entries (both or neither).
+  std::vector<int64_t> grown(table);
+  grown.insert(grown.end(), free_.rbegin(), free_.rbegin() + need);
   at::Tensor slots = at::empty({n}, at::kLong);
   int64_t* out = slots.data_ptr<int64_t>();
   for (int64_t p = length; p < length + n; ++p) {
-    out[p - length] = table[p / block_size_] * block_size_ + p % block_size_;
+    out[p - length] = grown[p / block_size_] * block_size_ + p % block_size_;
   }
-  length += n;
+  if (is_new) {
+    it = tables_.emplace(seq, std::vector<int64_t>{}).first;
+    try {
+      lengths_.emplace(seq, 0);
+    } catch (...) {
+      tables_.erase(it);
+      throw;
+    }
+  }
+  for (int64_t i = 0; i < need; ++i) take();  // nothing below throws
+  it->second.swap(grown);
+  lengths_.at(seq) += n;
   return slots;
 }
 
@@ -564,10 +577,14 @@ void BlockAllocator::fork(int64_t parent, int64_t child, const std::vector<at::T
   const int64_t length = lengths_.at(parent);
   const bool partial = length % block_size_ != 0;
   for (size_t i = 0; i < pages.size(); ++i) {
-    TORCH_CHECK_VALUE(pages[i].defined() && pages[i].dim() >= 1 && pages[i].size(0) == num_blocks_,
-                      "pages[", i, "] must be indexed by block along dimension 0 (num_blocks=",
-                      num_blocks_, "), got ",
-                      pages[i].defined() ? pages[i].sizes() : at::IntArrayRef{});
+    const at::Tensor& t = pages[i];
+    TORCH_CHECK_VALUE(t.defined() && t.dim() >= 2 && t.size(0) == num_blocks_ &&
+                          t.size(1) == block_size_,
+                      "pages[", i, "] must be (num_blocks=", num_blocks_,
+                      ", block_size=", block_size_, ", ...) (pages or their scales), got ",
+                      t.defined() ? t.sizes() : at::IntArrayRef{});
+    TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes,
+                      "pages[", i, "] cannot be written in place (an expand()-ed view)");
   }
   if (partial && free_.empty()) {
     throw std::runtime_error("out of pages: fork needs one block for the partial last block");
@@ -588,6 +605,7 @@ void BlockAllocator::fork(int64_t parent, int64_t child, const std::vector<at::T
 
 at::Tensor BlockAllocator::block_table(const std::vector<int64_t>& seqs,
                                        int64_t max_blocks) const {
+  TORCH_CHECK_VALUE(max_blocks != 0, "max_blocks must be >= 1 (or negative: the longest table), got 0");
   int64_t width = max_blocks;
   if (width < 0) {
     width = 1;

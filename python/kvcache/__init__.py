@@ -42,7 +42,8 @@ from .rows import (  # noqa: E402
     select_rows_ring_layer_cache,
 )
 from . import paged  # noqa: E402  (kvcache.paged: pages for continuous batching)
-from .paged import BlockAllocator, PagedKVCache, attend_pages, init_paged_cache, write_pages  # noqa: E402
+from .block_allocator import BlockAllocator, UnknownSequenceError  # noqa: E402
+from .paged import PagedKVCache, attend_pages, init_paged_cache, write_pages  # noqa: E402
 
 
 def build_info() -> dict:
@@ -62,6 +63,7 @@ __all__ = [
     "PagedKVCache",
     "attend_pages",
     "init_paged_cache",
+    "UnknownSequenceError",
     "write_pages",
     "KVLayerCache",
     "RingKV",

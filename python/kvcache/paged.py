@@ -19,7 +19,7 @@ full blocks). A scheduler (which requests run in a step) is the caller's.
 """
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Union
+from typing import Optional, Union
 
 import torch
 
@@ -30,7 +30,8 @@ from .common import as_int, as_window, check_real, check_tensor_args, kv_dtype_o
 _write_op = torch.ops.kvcache.paged_write_.default
 _attend_op = torch.ops.kvcache.paged_attend.default
 
-__all__ = ["write_pages", "attend_pages", "PagedKVCache", "init_paged_cache", "BlockAllocator"]
+__all__ = ["write_pages", "attend_pages", "PagedKVCache", "init_paged_cache", "BlockAllocator",
+           "UnknownSequenceError"]
 
 
 def write_pages(
@@ -179,14 +180,24 @@ class PagedKVCache:
 
     @property
     def block_size(self) -> int:
+        """Slots per page (``key_pages.shape[1]``)."""
         return self.key_pages.shape[1]
 
     @property
     def num_blocks(self) -> int:
+        """Pages in the pool (``key_pages.shape[0]``)."""
         return self.key_pages.shape[0]
 
     def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """:func:`write_pages` into this layer's pages (key, value ``(num_tokens, kv_heads, dim)``)."""
+        """:func:`write_pages` into this layer's pages (and scales), in place.
+
+        Args:
+            key, value: ``(num_tokens, num_kv_heads, head_dim)``.
+            slot_mapping: ``(num_tokens,)`` int32 / int64 slots, -1 to skip a token.
+
+        Raises:
+            ValueError, TypeError: What :func:`write_pages` raises (nothing is written).
+        """
         write_pages(self.key_pages, self.value_pages, key, value, slot_mapping, self.key_scales,
                     self.value_scales)
 
@@ -194,7 +205,21 @@ class PagedKVCache:
                cu_seqlens_q: torch.Tensor, scale: Optional[float] = None, window: Optional[int] = 0,
                softcap: Optional[float] = None,
                sink_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """:func:`attend_pages` over this layer's pages; returns ``(total_q, num_heads, dim)``."""
+        """:func:`attend_pages` over this layer's pages (and scales).
+
+        Args:
+            q: ``(total_q, num_heads, head_dim)``, the sequences' queries back to back.
+            block_table: ``(num_seqs, max_blocks)`` int32, -1 padded.
+            context_lens: ``(num_seqs,)`` int32, this step's tokens included.
+            cu_seqlens_q: ``(num_seqs + 1,)`` int32 offsets of each sequence's queries in ``q``.
+            scale, window, softcap, sink_logits: As :func:`attend_pages`.
+
+        Returns:
+            ``(total_q, num_heads, head_dim)`` in ``q``'s dtype.
+
+        Raises:
+            ValueError, TypeError: What :func:`attend_pages` raises.
+        """
         return attend_pages(q, self.key_pages, self.value_pages, block_table, context_lens,
                             cu_seqlens_q, scale, window, softcap, sink_logits, self.key_scales,
                             self.value_scales)
@@ -298,151 +323,11 @@ def init_paged_cache(
     return PagedKVCache(k, v)
 
 
-class BlockAllocator:
-    """Hands out pages to sequences: each sequence owns a list of blocks; full blocks may be shared.
+def __getattr__(name: str):
+    # BlockAllocator, the host bookkeeping that hands these pages out, lives in
+    # kvcache.block_allocator (which imports PagedKVCache); it stays importable from here.
+    if name in ("BlockAllocator", "UnknownSequenceError"):
+        from . import block_allocator
 
-    The allocator is host bookkeeping only (no tensors are touched except by :meth:`fork`'s copy
-    of a partial last block, through the caches given). Reference counts let a forked sequence
-    (beam search, parallel sampling, a shared prompt) share its parent's full blocks: a block
-    returns to the free list when its last owner frees it.
-
-    Args:
-        num_blocks: Pages in the pool.
-        block_size: Slots per page.
-
-    Raises:
-        ValueError: A size below 1, or more than ``2**31 - 1`` slots.
-        TypeError: A size that is not an int.
-    """
-
-    def __init__(self, num_blocks: int, block_size: int):
-        num_blocks, block_size = _pool(num_blocks, block_size)
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self._free: List[int] = list(range(num_blocks - 1, -1, -1))
-        self._refs = [0] * num_blocks
-        self.tables: Dict[object, List[int]] = {}
-        self.lengths: Dict[object, int] = {}
-
-    @property
-    def free_blocks(self) -> int:
-        """Pages not owned by any sequence."""
-        return len(self._free)
-
-    def _take(self) -> int:
-        if not self._free:
-            raise RuntimeError(f"out of pages: all {self.num_blocks} blocks are in use")
-        b = self._free.pop()
-        self._refs[b] = 1
-        return b
-
-    def append(self, seq_id, n: int) -> torch.Tensor:
-        """Makes room for ``n`` more tokens of ``seq_id`` (a new id starts empty).
-
-        Returns:
-            ``(n,)`` int64 slot mapping of the new tokens, for :func:`write_pages`.
-
-        Raises:
-            ValueError: ``n < 0``, or appending to a block shared with another sequence (fork
-                copies a shared partial block, so this does not happen through the API).
-            TypeError: ``n`` not an int.
-            RuntimeError: Out of pages.
-
-        On any error the allocator is unchanged (a new ``seq_id`` is not registered).
-        """
-        n = as_int("n", n)
-        if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
-        table = self.tables.get(seq_id, [])
-        length = self.lengths.get(seq_id, 0)
-        if length + n > _MAX_SLOTS:
-            raise ValueError(f"n must keep {seq_id!r} within 2**31 - 1 tokens, got {length} + {n}")
-        need = -(-(length + n) // self.block_size) - len(table)
-        if need > len(self._free):
-            raise RuntimeError(f"out of pages: {seq_id!r} needs {need} more blocks, {len(self._free)} are free")
-        if n and length % self.block_size and self._refs[table[-1]] > 1:
-            raise ValueError(f"the last block of {seq_id!r} is shared; fork() gives a copy")
-        self.tables[seq_id] = table
-        for _ in range(need):
-            table.append(self._take())
-        slots = [table[p // self.block_size] * self.block_size + p % self.block_size
-                 for p in range(length, length + n)]
-        self.lengths[seq_id] = length + n
-        return torch.tensor(slots, dtype=torch.int64)
-
-    def free(self, seq_id) -> None:
-        """Releases ``seq_id``'s blocks (shared ones when their last owner frees them).
-
-        Raises:
-            KeyError: An unknown ``seq_id``.
-        """
-        for b in self.tables.pop(seq_id):
-            self._refs[b] -= 1
-            if self._refs[b] == 0:
-                self._free.append(b)
-        del self.lengths[seq_id]
-
-    def fork(self, parent, child, caches: Iterable[PagedKVCache] = ()) -> None:
-        """``child`` continues from ``parent``'s tokens: full blocks shared, a partial last block
-        copied into a new page of every cache in ``caches`` (so the two can diverge).
-
-        Raises:
-            KeyError: An unknown ``parent``.
-            ValueError: ``child`` already exists; a cache whose pages are not this allocator's
-                geometry (``num_blocks``, ``block_size``).
-            TypeError: ``caches`` not an iterable of :class:`PagedKVCache`.
-            RuntimeError: Out of pages.
-
-        On any error the allocator is unchanged and no page a sequence owns is written.
-        """
-        if child in self.tables:
-            raise ValueError(f"sequence {child!r} already exists")
-        table = self.tables[parent]
-        length = self.lengths[parent]
-        try:
-            caches = list(caches)
-        except TypeError:
-            raise TypeError(f"caches must be an iterable of PagedKVCache, got {type(caches).__name__}") from None
-        for c in caches:
-            if not isinstance(c, PagedKVCache):
-                raise TypeError(f"caches must hold PagedKVCache objects, got {type(c).__name__}")
-            if c.num_blocks != self.num_blocks or c.block_size != self.block_size:
-                raise ValueError(f"caches must have num_blocks={self.num_blocks} pages of block_size="
-                                 f"{self.block_size}, got {c.num_blocks} of {c.block_size}")
-        shared = table if length % self.block_size == 0 else table[:-1]
-        new = list(shared)
-        if len(shared) < len(table):
-            if not self._free:
-                raise RuntimeError("out of pages: fork needs one block for the partial last block")
-            copy = self._free[-1]  # taken only once every copy succeeded
-            src, dst = torch.tensor([table[-1]]), torch.tensor([copy])
-            for c in caches:
-                c.copy_blocks(src.to(c.key_pages.device), dst.to(c.key_pages.device))
-            new.append(self._take())
-        for b in shared:
-            self._refs[b] += 1
-        self.tables[child] = new
-        self.lengths[child] = length
-
-    def block_table(self, seq_ids: Sequence, max_blocks: Optional[int] = None,
-                    device=None) -> torch.Tensor:
-        """``(len(seq_ids), max_blocks)`` int32 block table, -1 padded (``max_blocks`` defaults to
-        the longest table).
-
-        Raises:
-            KeyError: An unknown sequence.
-            ValueError: ``max_blocks`` below 1 or below a sequence's block count.
-            TypeError: ``max_blocks`` not an int.
-        """
-        tables = [self.tables[s] for s in seq_ids]
-        width = max([len(t) for t in tables] + [1]) if max_blocks is None else _positive("max_blocks", max_blocks)
-        out = torch.full((len(tables), width), -1, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            if len(t) > width:
-                raise ValueError(f"sequence {seq_ids[i]!r} has {len(t)} blocks, more than max_blocks={width}")
-            out[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        return out.to(device) if device is not None else out
-
-    def context_lens(self, seq_ids: Sequence, device=None) -> torch.Tensor:
-        """``(len(seq_ids),)`` int32 tokens held per sequence."""
-        return torch.tensor([self.lengths[s] for s in seq_ids], dtype=torch.int32, device=device)
+        return getattr(block_allocator, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -651,9 +651,17 @@ TEST_CASE("paged caches through the C++ API: allocator, write, attend, fork, fre
     kvcache::BlockAllocator a(4, kBs);
     a.append(0, kBs + 3);  // one full block, one partial
     const int64_t free_before = a.free_blocks();
-    REQUIRE_THROWS_AS(a.fork(0, 1, {kp.narrow(0, 0, 2)}), c10::ValueError);
-    REQUIRE_FALSE(a.contains(1));
-    REQUIRE(a.free_blocks() == free_before);
+    // Not indexed by block, pages of another block size, an expand()-ed view.
+    const at::Tensor page4 = at::randn({4, kBs, 1, 8}), page4_before = page4.clone();
+    for (const at::Tensor& bad : {kp.narrow(0, 0, 2), at::zeros({4, kBs + 1, 1, 8}),
+                                  at::zeros({1, kBs, 1, 8}).expand({4, kBs, 1, 8})}) {
+      REQUIRE_THROWS_AS(a.fork(0, 1, {page4, bad}), c10::ValueError);
+      REQUIRE_FALSE(a.contains(1));
+      REQUIRE(a.free_blocks() == free_before);
+      REQUIRE(at::equal(page4, page4_before));
+    }
+    REQUIRE_THROWS_AS(a.block_table({0}, 0), c10::ValueError);
+    REQUIRE(a.block_table({0}, 3).size(1) == 3);
     a.free(0);
     REQUIRE(a.free_blocks() == 4);  // no reference left behind by the refused fork
   }

@@ -455,7 +455,10 @@ def test_allocator_errors_change_nothing():
         (lambda: a.fork("p", "c", [init_paged_cache(1, 4, 1, 8, torch.float32)]), ValueError,
          "caches must have num_blocks=4 pages of block_size=4, got 1 of 4"),
         (lambda: a.fork("p", "p"), ValueError, "sequence 'p' already exists"),
-        (lambda: a.fork("nobody", "c"), KeyError, "nobody"),
+        (lambda: a.fork("nobody", "c"), ValueError, "unknown sequence 'nobody'"),
+        (lambda: a.free("nobody"), ValueError, "unknown sequence 'nobody'"),
+        (lambda: a.block_table(["p", "nobody"]), ValueError, "unknown sequence 'nobody'"),
+        (lambda: a.context_lens(["nobody"]), KeyError, "unknown sequence 'nobody'"),
         (lambda: a.block_table(["p"], max_blocks=0), ValueError, "max_blocks must be an int >= 1, got 0"),
         (lambda: a.block_table(["p"], max_blocks=1), ValueError, "has 2 blocks, more than max_blocks=1"),
     ]:
@@ -465,6 +468,41 @@ def test_allocator_errors_change_nothing():
         assert torch.equal(cache.key_pages, pages)
     a.free("p")
     assert a.free_blocks == 4
+
+
+def test_allocator_append_failing_allocation_changes_nothing(monkeypatch):
+    """An append whose slot tensor cannot be allocated (MemoryError) leaves the allocator as it
+    was: the new sequence is not registered and no block leaves the free list."""
+    a = BlockAllocator(8, 4)
+    a.append("p", 6)
+    state = _allocator_state(a)
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("no memory")
+
+    monkeypatch.setattr(torch, "tensor", no_memory)
+    monkeypatch.setattr(torch, "arange", no_memory)
+    for seq, n in (("new", 9), ("p", 7)):
+        with pytest.raises(MemoryError):
+            a.append(seq, n)
+        assert _allocator_state(a) == state
+    monkeypatch.undo()
+    assert a.append("new", 9).tolist() == [s for b in (2, 3, 4) for s in range(4 * b, 4 * b + 4)][:9]  # lowest first
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_allocator_slots_follow_the_table(block_size):
+    """Every slot append returns is position p's: table[p // block_size] * block_size +
+    p % block_size over the sequence's final table, for random growth of interleaved sequences."""
+    g = torch.Generator().manual_seed(block_size)
+    a = BlockAllocator(4096, block_size)
+    got = {s: [] for s in range(5)}
+    for _ in range(40):
+        s = int(torch.randint(0, 5, (), generator=g))
+        got[s] += a.append(s, int(torch.randint(0, 3 * block_size + 2, (), generator=g))).tolist()
+    for s, slots in got.items():
+        t = a.tables.get(s, [])
+        assert slots == [t[p // block_size] * block_size + p % block_size for p in range(len(slots))]
 
 
 @pytest.mark.parametrize("call,exc,match", [

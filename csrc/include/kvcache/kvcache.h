@@ -486,21 +486,22 @@ class KVCACHE_API BlockAllocator {
   /// Makes room for n more tokens of seq (a new seq starts empty); returns
   /// their (n,) int64 slot mapping, for paged_write_. Throws c10::ValueError
   /// for n < 0, a length past 2^31 - 1 or a shared last block,
-  /// std::runtime_error when out of pages (on any error nothing is allocated
-  /// and a new seq is not registered).
+  /// std::runtime_error when out of pages (on any error, std::bad_alloc
+  /// included, nothing is allocated and a new seq is not registered).
   at::Tensor append(int64_t seq, int64_t n);
   /// Releases seq's blocks. Throws c10::ValueError for an unknown seq.
   void free(int64_t seq);
   /// child continues from parent's tokens: full blocks shared, a partial
   /// last block copied to a new page of every tensor in pages (each indexed
   /// by block along dimension 0: key / value pages and their scales, of every
-  /// layer). Throws c10::ValueError for an unknown parent, an existing child
-  /// or a tensor without num_blocks along dimension 0, std::runtime_error
-  /// when out of pages; on any error the allocator is unchanged.
+  /// layer). Throws c10::ValueError for an unknown parent, an existing child,
+  /// a tensor that is not (num_blocks, block_size, ...) or cannot be written
+  /// in place (an expand()-ed view), std::runtime_error when out of pages; on
+  /// any error the allocator is unchanged.
   void fork(int64_t parent, int64_t child, const std::vector<at::Tensor>& pages = {});
   /// (seqs.size(), max_blocks) int32 block table, -1 padded; max_blocks < 0:
-  /// the longest table. Throws c10::ValueError for an unknown seq or a table
-  /// longer than max_blocks.
+  /// the longest table. Throws c10::ValueError for an unknown seq, max_blocks
+  /// 0 or a table longer than max_blocks.
   at::Tensor block_table(const std::vector<int64_t>& seqs, int64_t max_blocks = -1) const;
   /// (seqs.size(),) int32 tokens held per sequence.
   at::Tensor context_lens(const std::vector<int64_t>& seqs) const;
