@@ -234,10 +234,28 @@ class KVCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Writes this step's keys/values for ``layer_idx`` and returns what its attention reads.
 
+        Args:
+            key_states, value_states: ``(batch, num_kv_heads, chunk, head_dim)``, this step's keys
+                (after RoPE) and values; the cache's dtype (any float dtype for a quantized cache).
+            layer_idx: The model layer.
+            *args: Passed on to the layer.
+            **kwargs: transformers' cache kwargs, passed on to the layer.
+
+        Returns:
+            ``(keys, values)``: for a full-attention layer its whole buffers ``(batch,
+            num_kv_heads, max_cache_len, head_dim)`` (the ``"kvcache"`` attention reads only the
+            filled slots, other attentions through their mask); for a ring the ring's buffers
+            ``(batch, num_kv_heads, capacity, head_dim)``, or, under another attention than
+            ``"kvcache"``, a ``(batch, num_kv_heads, max_cache_len, head_dim)`` temporary with every
+            held position at its own index; for a layer kvcache does not serve, what
+            transformers' layer returns.
+
         Raises:
-            ValueError: ``"KV cache overflow: ..."``, or a batch/shape that
-                does not match the buffers. Nothing is written.
-            TypeError: keys/values of another dtype than the cache's.
+            ValueError: ``"KV cache overflow: ..."`` (a row would pass ``max_cache_len``), or a
+                batch/shape that does not match the buffers; a quantized cache (``kv_dtype``) or
+                ``sinks`` under another attention than ``"kvcache"``. Nothing is written.
+            TypeError: keys/values of another dtype than the cache's (plain caches). Nothing
+                is written.
         """
         if not self._attn_checked and not _compiling():
             self._attn_checked = True
@@ -284,11 +302,22 @@ class KVCache(Cache):
                              f"{self._first_linear}; nothing was written)")
 
     def rollback(self, n) -> None:
-        """Drops the last ``n[b]`` tokens of each row (int, 0-D or ``(batch,)`` device tensor), every kvcache layer.
+        """Drops the last ``n[b]`` tokens of each row, in every kvcache layer, in place (no copy).
 
         Per-row amounts are what batched speculative decoding needs (each row
         accepts its own number of draft tokens); transformers' ``crop`` takes
         one amount for every row.
+
+        Args:
+            n: An int >= 0, or an int32 / int64 tensor, 0-D (every row) or ``(batch,)`` (one
+                amount per row), on the cache's device.
+
+        Raises:
+            ValueError: ``"cannot roll back more tokens than the row holds: ..."`` (CPU; on
+                CUDA that layer's lengths become -1); ``n < 0``; an empty (not yet written)
+                cache; a ring that would go more than ``max_step`` below the furthest position
+                written (eager: every ring is asked before any layer changes).
+            TypeError: ``n`` neither an int nor an int tensor (a float, a bool, a str).
         """
         self._check_rings(lambda la: n if isinstance(n, torch.Tensor) else common.as_int("n", n))
         for layer in self.layers:
@@ -296,12 +325,17 @@ class KVCache(Cache):
                 layer.rollback(n)
 
     def crop(self, tokens_to_remove) -> None:
-        """Drops tokens from every layer (transformers' ``crop``: ``-n`` removes the last ``n``, ``m >= 0``
-        keeps the first ``m``); every ring checks the depth before any layer changes.
+        """Drops tokens from every layer (transformers' ``crop``), in place (no copy); every ring
+        checks the depth before any layer changes.
+
+        Args:
+            tokens_to_remove: ``-n`` (an int or 0-D int tensor) removes the last ``n`` tokens of
+                each row; ``m >= 0`` keeps at most the first ``m`` tokens of each row.
 
         Raises:
-            ValueError: A row holds fewer tokens, or a ring would go more than
+            ValueError: A row holds fewer tokens (CPU), or a ring would go more than
                 ``max_step`` below the furthest position written (eager).
+            TypeError: ``tokens_to_remove`` neither an int nor an int tensor.
         """
         self._check_rings(lambda la: la.crop_amount(tokens_to_remove))
         super().crop(tokens_to_remove)
@@ -320,7 +354,12 @@ class KVCache(Cache):
                 layer.check_depth(n.to(device=layer.lengths.device, dtype=torch.int64))
 
     def reset_rows(self, rows: torch.Tensor) -> None:
-        """Empties the given rows of every kvcache layer in O(1) (continuous batching).
+        """Empties the given rows of every kvcache layer in O(1) (continuous batching): their
+        lengths become 0 (a ring's positions -1), nothing is zeroed.
+
+        Args:
+            rows: A ``(batch,)`` bool mask, or int32 / int64 row indices (0-D or 1-D) in
+                ``[0, batch)``, on the cache's device.
 
         Raises:
             ValueError, TypeError: As :func:`kvcache.reset_rows_kv_layer_cache`; ``rows`` is
@@ -340,5 +379,13 @@ class KVCache(Cache):
                 layer.lengths.copy_(lengths)
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
-        """Slots per row of ``layer_idx`` (the name transformers used before 5.16 for :meth:`get_max_length`)."""
+        """Slots per row of ``layer_idx`` (the name transformers used before 5.16 for :meth:`get_max_length`).
+
+        Args:
+            layer_idx: The model layer (default 0).
+
+        Returns:
+            ``max_cache_len`` for a kvcache layer (a ring's too, not its slot count), else the
+            transformers layer's ``get_max_length()``.
+        """
         return self.layers[layer_idx].get_max_length()

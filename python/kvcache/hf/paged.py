@@ -56,12 +56,15 @@ when it stops), as it does ``eager`` -> ``paged|eager``: transformers 5.24 resol
 ``"paged|<name>"`` to ``"<name>"``, so the paged function needs a name without the prefix."""
 
 IMPLEMENTATIONS = ("kvcache", PAGED_ATTN_IMPLEMENTATION, CB_ATTN_IMPLEMENTATION)
+"""The attention names whose continuous-batching steps run through kvcache (:func:`uses_kvcache`)."""
 
 IN_PLACE = False
-"""Whether the installed transformers lets ``paged|kvcache`` read its pages in place (5.24: its model
-layers call ``PagedAttentionCache.update`` before the attention, patched here to copy nothing). On
-5.18 the attention function updates the cache itself, which gathers each sequence's context;
-``paged|kvcache`` then reads the gathered rows (:func:`_attend_gathered`). Set by :func:`install`."""
+"""Whether the installed transformers lets ``paged|kvcache`` read its pages in place.
+
+``True`` on 5.24, whose model layers call ``PagedAttentionCache.update`` before the attention
+(patched here to copy nothing). ``False`` on 5.18, whose attention function updates the cache
+itself, which gathers each sequence's context; ``paged|kvcache`` then reads the gathered rows as
+pages of one token. Set by :func:`install`."""
 
 _installed = False
 _orig_update = None
@@ -250,7 +253,16 @@ def _views(allocator, layer_idx: int, block_size: int):
 # --------------------------------------------------------------------------------------------- #
 
 def uses_kvcache(cache) -> bool:
-    """Whether ``cache`` (a ``PagedAttentionCache``) serves a model whose attention is kvcache's."""
+    """Whether ``cache`` (a ``PagedAttentionCache``) serves a model whose attention is kvcache's.
+
+    Args:
+        cache: transformers' ``PagedAttentionCache`` (any object with a ``config``).
+
+    Returns:
+        ``True`` when ``cache.config._attn_implementation`` is ``"kvcache"``,
+        :data:`PAGED_ATTN_IMPLEMENTATION` or :data:`CB_ATTN_IMPLEMENTATION`; then the patched
+        ``PagedAttentionCache.update`` gathers nothing.
+    """
     return getattr(getattr(cache, "config", None), "_attn_implementation", None) in IMPLEMENTATIONS
 
 
@@ -304,7 +316,7 @@ def paged_kvcache_attention(
     """The ``"paged|kvcache"`` attention (:data:`CB_ATTN_IMPLEMENTATION` in transformers 5.24).
 
     Without ``PAGED_STEP`` in ``kwargs`` (a regular forward), this is
-    :func:`kvcache.hf.attention.kvcache_attention`. With it, the layer's new keys and values are
+    :func:`kvcache.hf.kvcache_attention`. With it, the layer's new keys and values are
     written into transformers' paged cache in place and the queries attend over the pages.
 
     Args:
@@ -428,7 +440,7 @@ def install() -> bool:
 
     Registers :func:`paged_kvcache_attention` as ``"paged|kvcache"`` and
     :data:`CB_ATTN_IMPLEMENTATION` in ``AttentionInterface`` (``"kvcache"`` stays
-    :func:`~kvcache.hf.attention.kvcache_attention`), wraps ``PagedAttentionCache.update`` (kvcache
+    :func:`~kvcache.hf.kvcache_attention`), wraps ``PagedAttentionCache.update`` (kvcache
     models only: no gather) and lets ``ContinuousBatchingManager`` run a kvcache model through the
     paged function instead of refusing it.
 
