@@ -432,9 +432,12 @@ KVCACHE_API void paged_write_(at::Tensor& key_pages, at::Tensor& value_pages,
 /// num_heads, head_dim) in q's dtype; q may end with padding (rows from
 /// cu_seqlens_q[num_seqs] on, a batch padded to a fixed size), returned as 0.
 /// Throws c10::ValueError for bad
-/// metadata (a visible page outside the pool, context_lens beyond the table,
-/// cu_seqlens_q not increasing) before anything is read (on CPU; on CUDA the
-/// metadata stays on the device and a bad sequence's rows are NaN).
+/// metadata (a visible page outside the pool, context_lens beyond the table
+/// or below the sequence's query count, cu_seqlens_q not starting at 0,
+/// decreasing or ending past q; equal neighbours are a sequence without
+/// queries) before anything is read (on CPU; on CUDA the metadata stays on
+/// the device and a bad sequence's rows are NaN), c10::TypeError for
+/// metadata that is not int32.
 KVCACHE_API at::Tensor paged_attend(const at::Tensor& q, const at::Tensor& key_pages,
                                     const at::Tensor& value_pages,
                                     const at::Tensor& block_table,

@@ -47,6 +47,9 @@ from ..paged import attend_pages, write_pages
 from ._compat import AttentionMaskInterface, masking_utils
 from .attention import PAGED_STEP, is_gathering_step, kvcache_attention, kvcache_mask, set_paged_attention
 
+__all__ = ["PAGED_ATTN_IMPLEMENTATION", "CB_ATTN_IMPLEMENTATION", "IMPLEMENTATIONS", "IN_PLACE", "install",
+           "paged_kvcache_attention", "paged_update", "uses_kvcache"]
+
 PAGED_ATTN_IMPLEMENTATION = "paged|kvcache"
 """The paged attention's name, registered with ``AttentionInterface``."""
 
@@ -277,7 +280,7 @@ def paged_update(self, key_states: torch.Tensor, value_states: torch.Tensor, lay
         layer_idx: The model layer.
         kwargs: The forward's kwargs, updated in place as transformers' update does
             (``cu_seq_lens_k`` / ``max_length_k`` of the layer's group) plus the layer's
-            :class:`LayerCall` under ``PAGED_STEP``.
+            ``LayerCall`` (the layer's step and allocator) under ``PAGED_STEP``.
 
     Returns:
         ``(key_states, value_states)`` unchanged; the attention function writes them.
