@@ -589,18 +589,27 @@ void BlockAllocator::fork(int64_t parent, int64_t child, const std::vector<at::T
   if (partial && free_.empty()) {
     throw std::runtime_error("out of pages: fork needs one block for the partial last block");
   }
-  // Nothing changes until every copy is done: the page is taken after them
-  // (a copy that throws leaves the allocator as it was).
+  // Nothing changes until every copy and every allocation is done (a throw,
+  // std::bad_alloc included, leaves the allocator as it was): the child's
+  // table over the page take() hands out next, its two entries (both or
+  // neither), then the take and the counts, which do not throw.
   const size_t shared = table.size() - (partial ? 1 : 0);
   std::vector<int64_t> mine(table.begin(), table.begin() + static_cast<std::ptrdiff_t>(shared));
   if (partial) {
     const int64_t copy = free_.back();
     for (const at::Tensor& t : pages) t.select(0, copy).copy_(t.select(0, table.back()));
-    mine.push_back(take());
+    mine.push_back(copy);
   }
+  auto it = tables_.emplace(child, std::vector<int64_t>{}).first;
+  try {
+    lengths_.emplace(child, length);
+  } catch (...) {
+    tables_.erase(it);
+    throw;
+  }
+  if (partial) take();
   for (size_t i = 0; i < shared; ++i) ++refs_[mine[i]];
-  tables_[child] = std::move(mine);
-  lengths_[child] = length;
+  it->second.swap(mine);
 }
 
 at::Tensor BlockAllocator::block_table(const std::vector<int64_t>& seqs,

@@ -9,7 +9,7 @@
 // measures the difference.
 //
 // cache_zeros allocates a zero-filled buffer like at::zeros, and on the CPU
-// asks the kernel (madvise(MADV_HUGEPAGE)) for huge pages over the 2 MB
+// asks the kernel (madvise(MADV_HUGEPAGE)) for huge pages over the huge-page
 // aligned part of it before the fill first touches it, so the fill faults
 // it in as huge pages. Where the kernel has transparent huge pages off
 // ("never"), or on other systems, the advice is a no-op and the buffer is
@@ -30,11 +30,12 @@ namespace kvcache {
 namespace detail {
 
 // Zero-filled tensor of `shape` with `opts` (contiguous), in huge pages
-// where the advice applies (CPU, concrete sizes, at least 2 MB).
+// where the advice applies (CPU, concrete sizes, at least one huge page:
+// 2 MB on x86-64, the kernel's hpage_pmd_size).
 KVCACHE_API at::Tensor cache_zeros(c10::SymIntArrayRef shape, const at::TensorOptions& opts);
 
-// Advises huge pages for the 2 MB aligned part of [p, p + bytes), before it
-// is first touched; true when the kernel took the advice.
+// Advises huge pages for the huge-page-aligned part of [p, p + bytes),
+// before it is first touched; true when the kernel took the advice.
 KVCACHE_API bool advise_huge_pages(void* p, size_t bytes);
 
 // Whether KVCACHE_HUGE_PAGES leaves the advice on (unset, or not "0").

@@ -104,9 +104,10 @@ class BlockAllocator:
         blocks = torch.tensor(table[length // self.block_size:] + taken, dtype=torch.int64)
         pos = torch.arange(length, length + n, dtype=torch.int64)
         slots = blocks[pos // self.block_size - length // self.block_size] * self.block_size + pos % self.block_size
-        for b in taken:
-            assert self._take() == b
-        self.tables[seq_id] = table + taken
+        grown = table + taken
+        for _ in taken:
+            self._take()  # pops `taken`, in order
+        self.tables[seq_id] = grown
         self.lengths[seq_id] = length + n
         return slots
 
@@ -159,6 +160,11 @@ class BlockAllocator:
             if c.num_blocks != self.num_blocks or c.block_size != self.block_size:
                 raise ValueError(f"caches must have num_blocks={self.num_blocks} pages of block_size="
                                  f"{self.block_size}, got {c.num_blocks} of {c.block_size}")
+        none = torch.empty(0, dtype=torch.int64)
+        for c in caches:
+            # Every cache's checks (writable pages and scales) run whether or not a block is
+            # copied, as the C++ fork's do.
+            c.copy_blocks(none.to(c.key_pages.device), none.to(c.key_pages.device))
         shared = table if length % self.block_size == 0 else table[:-1]
         new = list(shared)
         if len(shared) < len(table):
@@ -193,6 +199,7 @@ class BlockAllocator:
             ValueError: ``max_blocks`` below 1 or below a sequence's block count.
             TypeError: ``max_blocks`` not an int.
         """
+        seq_ids = list(seq_ids)
         tables = [self._table(s) for s in seq_ids]
         width = max([len(t) for t in tables] + [1]) if max_blocks is None else _positive("max_blocks", max_blocks)
         out = torch.full((len(tables), width), -1, dtype=torch.int32)
@@ -215,6 +222,7 @@ class BlockAllocator:
         Raises:
             UnknownSequenceError: An unknown sequence (a ``ValueError`` and a ``KeyError``).
         """
+        seq_ids = list(seq_ids)
         for s in seq_ids:
             self._table(s)
         return torch.tensor([self.lengths[s] for s in seq_ids], dtype=torch.int32, device=device)

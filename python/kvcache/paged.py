@@ -276,6 +276,18 @@ class PagedKVCache:
 make_scriptable(PagedKVCache)
 
 
+def _cache_zeros(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """``torch.zeros(shape, dtype=dtype, device=device)`` (``None``: torch's default device); on the
+    CPU in eager code allocated as ``init_layer_cache`` allocates its buffers (``kvcache._C.cache_zeros``:
+    transparent huge pages)."""
+    if torch.compiler.is_compiling():
+        return torch.zeros(shape, dtype=dtype, device=device)
+    dev = torch.device(device) if device is not None else torch.get_default_device()
+    if dev.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=dev)
+    return _C.cache_zeros(shape, dtype, dev)
+
+
 def init_paged_cache(
     num_blocks: int,
     block_size: int,
@@ -313,9 +325,8 @@ def init_paged_cache(
                         f"attend_pages take), got {dtype}")
     store = kv_dtype_of(kv_dtype) or dtype
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    dev = torch.device(device) if device is not None else None
-    k = _C.cache_zeros(shape, store, dev)
-    v = _C.cache_zeros(shape, store, dev)
+    k = _cache_zeros(shape, store, device)
+    v = _cache_zeros(shape, store, device)
     if store in (torch.int8, torch.float8_e4m3fn):
         ks = torch.ones(shape[:3], dtype=torch.float32, device=device)
         vs = torch.ones(shape[:3], dtype=torch.float32, device=device)

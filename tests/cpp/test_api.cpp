@@ -92,7 +92,9 @@ TEST_CASE("init_kv_layer_cache advises its CPU buffers into huge pages", "[api]"
     WARN("this kernel has no transparent huge pages");
     return;
   }
-  auto c = kvcache::init_kv_layer_cache(4, 4, 64, 4096, at::kFloat);  // 16 MB each
+  // 64 MB each: glibc maps them afresh (its mmap threshold is at most 32 MB), so the flag is
+  // theirs, not an earlier buffer's on reused heap memory.
+  auto c = kvcache::init_kv_layer_cache(16, 4, 64, 4096, at::kFloat);
   for (const at::Tensor& t : {c.keys, c.values}) {
     const auto mid = reinterpret_cast<uintptr_t>(t.data_ptr()) + t.nbytes() / 2;
     CHECK(vm_flags_at(mid).find(" hg") != std::string::npos);

@@ -5,7 +5,9 @@ kvcache.hf's layers) and of init_paged_cache are advised into huge pages before 
 What is checked here, from the kernel's own account of the process's memory (/proc/self/smaps):
 the advice reached the mapping that holds the buffer (its VmFlags carry "hg", which only
 madvise(MADV_HUGEPAGE) sets), KVCACHE_HUGE_PAGES=0 leaves it off, and the buffers are what
-torch.zeros gives (shape, dtype, contiguity, zeros) whatever their size.
+torch.zeros gives (shape, dtype, contiguity, zeros) whatever their size. The buffers checked for
+the flag are 64 MB: glibc maps an allocation that large afresh (its mmap threshold is at most
+32 MB), so the flag cannot come from an earlier buffer's advice on reused heap memory.
 """
 
 from __future__ import annotations
@@ -48,24 +50,24 @@ def _vm_flags(t: torch.Tensor) -> set:
 @needs_thp
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
 def test_linear_cache_buffers_are_advised(kv_dtype):
-    cache = kvcache.init_kv_layer_cache(8, 4, 64, 4096, torch.float32, kv_dtype=kv_dtype)  # 8 MB (int8) each
+    cache = kvcache.init_kv_layer_cache(64, 4, 64, 4096, torch.bfloat16, kv_dtype=kv_dtype)  # 64 MB (int8) each
     for buf in (cache.keys, cache.values):
-        assert buf.nbytes >= 4 * MB
+        assert buf.nbytes >= 64 * MB
         assert "hg" in _vm_flags(buf)
 
 
 @needs_thp
 def test_ring_buffers_are_advised():
-    ring = kvcache.init_ring_layer_cache(2, 4, 64, 4096, torch.bfloat16)
+    ring = kvcache.init_ring_layer_cache(32, 4, 64, 4096, torch.float32)  # 128 MB each
     assert "hg" in _vm_flags(ring.keys) and "hg" in _vm_flags(ring.values)
 
 
 @needs_thp
 @pytest.mark.parametrize("kv_dtype", [None, "fp8"])
 def test_page_pools_are_advised(kv_dtype):
-    pages = init_paged_cache(1024, 16, 4, 64, torch.float32, kv_dtype=kv_dtype)
+    pages = init_paged_cache(16384, 16, 4, 64, torch.bfloat16, kv_dtype=kv_dtype)  # 64 MB (fp8) each
     for buf in (pages.key_pages, pages.value_pages):
-        assert buf.nbytes >= 4 * MB
+        assert buf.nbytes >= 64 * MB
         assert "hg" in _vm_flags(buf)
 
 
@@ -77,11 +79,12 @@ def test_switch_off_leaves_4k_pages():
         "sys.path.insert(0, %r)\n"
         "from test_huge_pages import _vm_flags\n"
         "from kvcache.paged import init_paged_cache\n"
-        "c = kvcache.init_kv_layer_cache(2, 4, 64, 4096, torch.float32)\n"
-        "p = init_paged_cache(1024, 16, 4, 64, torch.float32)\n"
+        "c = kvcache.init_kv_layer_cache(64, 4, 64, 4096, torch.float32)\n"
+        "p = init_paged_cache(16384, 16, 4, 64, torch.float32)\n"
         "print(sorted({'hg' in _vm_flags(t) for t in (c.keys, c.values, p.key_pages, p.value_pages)}))\n"
     ) % os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, KVCACHE_HUGE_PAGES="0")
+    env.pop("THP_MEM_ALLOC_ENABLE", None)  # torch's own switch advises every large allocation
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[False]", out.stdout + out.stderr
 
@@ -102,3 +105,19 @@ def test_cache_zeros_is_torch_zeros(shape, dtype):
 def test_meta_device_has_no_memory_to_advise():
     cache = kvcache.init_kv_layer_cache(2, 4, 64, 4096, torch.float32, device="meta")
     assert cache.keys.device.type == "meta" and cache.keys.shape == (2, 4, 4096, 64)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_page_pools_follow_the_default_device(kv_dtype):
+    # device=None is torch's default device, as torch.zeros takes it: pages and scales together.
+    with torch.device("meta"):
+        pages = init_paged_cache(4, 16, 2, 8, torch.float32, kv_dtype=kv_dtype)
+    bufs = [pages.key_pages, pages.value_pages] + ([pages.key_scales, pages.value_scales] if kv_dtype else [])
+    assert {b.device.type for b in bufs} == {"meta"}
+
+
+def test_page_pools_init_compiles():
+    # In compiled code the pools are torch.zeros (the allocation advice is eager-only).
+    f = torch.compile(lambda: init_paged_cache(4, 16, 2, 8, torch.float32).key_pages.sum(), fullgraph=True,
+                      backend="eager")
+    assert f().item() == 0

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kvcache
-from kvcache.paged import BlockAllocator, attend_pages, init_paged_cache, write_pages
+from kvcache.paged import BlockAllocator, PagedKVCache, attend_pages, init_paged_cache, write_pages
 from references import attention_reference
 from test_ring_update_quantized import quantize_ref
 
@@ -488,6 +488,29 @@ def test_allocator_append_failing_allocation_changes_nothing(monkeypatch):
         assert _allocator_state(a) == state
     monkeypatch.undo()
     assert a.append("new", 9).tolist() == [s for b in (2, 3, 4) for s in range(4 * b, 4 * b + 4)][:9]  # lowest first
+
+
+def test_fork_checks_every_cache_even_without_a_copy():
+    """A fork whose parent ends on a full block copies nothing, yet refuses pages that cannot be
+    written (as the C++ fork does): the next fork of the same caches would have to copy."""
+    a = BlockAllocator(4, 4)
+    a.append("p", 4)
+    cache = init_paged_cache(4, 4, 1, 8, torch.float32)
+    bad = PagedKVCache(cache.key_pages[:1].expand(4, 4, 1, 8), cache.value_pages)
+    state = _allocator_state(a)
+    with pytest.raises(ValueError, match="key_pages cannot be written in place"):
+        a.fork("p", "c", [bad])
+    assert _allocator_state(a) == state
+    a.fork("p", "c", [cache])
+    assert a.tables["c"] == a.tables["p"] == [0]
+
+
+def test_allocator_takes_any_iterable_of_ids():
+    a = BlockAllocator(8, 4)
+    a.append("x", 5)
+    a.append("y", 2)
+    assert a.context_lens(s for s in ("x", "y")).tolist() == [5, 2]
+    assert a.block_table(iter(["y", "x"])).tolist() == [[2, -1], [0, 1]]
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16])

@@ -38,8 +38,9 @@ def python_blocks(path: str = "README.md"):
 
 BLOCKS = python_blocks()
 # The docs' pages (the guides, the design notes): (page, heading, block).
-PAGES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True)
-               if os.sep + "performance" + os.sep not in p)
+PAGES = sorted(rel for rel in (os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"),
+                                                                          recursive=True))
+               if not rel.startswith(os.path.join("docs", "performance") + os.sep))
 PAGE_BLOCKS = [(page, head, block) for page in PAGES for head, block in python_blocks(page)]
 
 
@@ -84,6 +85,11 @@ def _runs_alone(where: str, block: str, cwd) -> None:
 def test_readme_python_block_runs_alone(index, tmp_path):
     head, block = BLOCKS[index]
     _runs_alone(f"README block in '{head}'", block, tmp_path)
+
+
+def test_docs_pages_have_blocks():
+    # The guides hold examples: an empty list would make the test below collect nothing.
+    assert len(PAGE_BLOCKS) >= 15 and any(p.startswith(os.path.join("docs", "guides")) for p, _, _ in PAGE_BLOCKS)
 
 
 @pytest.mark.parametrize("index", range(len(PAGE_BLOCKS)),
