@@ -497,6 +497,7 @@ BlockAllocator::BlockAllocator(int64_t num_blocks, int64_t block_size)
                     "num_blocks * block_size must be <= 2**31 - 1 slots, got ", num_blocks, " * ",
                     block_size);
   // Handed out lowest first (free_ is popped from the back), as the Python allocator.
+  free_.reserve(static_cast<size_t>(num_blocks));  // never reallocated: rollback and free do not throw
   for (int64_t b = num_blocks - 1; b >= 0; --b) free_.push_back(b);
   refs_.assign(static_cast<size_t>(num_blocks), 0);
 }
@@ -561,6 +562,28 @@ at::Tensor BlockAllocator::append(int64_t seq, int64_t n) {
   it->second.swap(grown);
   lengths_.at(seq) += n;
   return slots;
+}
+
+void BlockAllocator::rollback(int64_t seq, int64_t n) {
+  const std::vector<int64_t>& table = table_of(seq);
+  const int64_t length = lengths_.at(seq);
+  TORCH_CHECK_VALUE(n >= 0, "n must be >= 0, got ", n);
+  TORCH_CHECK_VALUE(n <= length, "cannot roll back more tokens than sequence ", seq,
+                    " holds: n=", n, ", length=", length);
+  const int64_t new_length = length - n;
+  const size_t keep = static_cast<size_t>((new_length + block_size_ - 1) / block_size_);
+  TORCH_CHECK_VALUE(n == 0 || new_length % block_size_ == 0 || refs_[table[keep - 1]] == 1,
+                    "rolling sequence ", seq, " back to ", new_length,
+                    " tokens would leave its last block, partly filled, shared with another "
+                    "sequence (forked at a later token): roll back to a multiple of block_size=",
+                    block_size_, " or to the fork's length at most");
+  // No allocation below: free_ never holds more than num_blocks, its capacity.
+  std::vector<int64_t>& mine = tables_.at(seq);
+  for (size_t i = keep; i < mine.size(); ++i) {
+    if (--refs_[mine[i]] == 0) free_.push_back(mine[i]);
+  }
+  mine.resize(keep);
+  lengths_.at(seq) = new_length;
 }
 
 void BlockAllocator::free(int64_t seq) {

@@ -111,6 +111,46 @@ class BlockAllocator:
         self.lengths[seq_id] = length + n
         return slots
 
+    def rollback(self, seq_id, n: int) -> None:
+        """Drops the last ``n`` tokens of ``seq_id`` (rejected speculative tokens, a truncation):
+        its blocks past the new length return to the pool when no other sequence shares them.
+
+        The slots of the dropped tokens in a kept block are overwritten by the next append's write;
+        nothing is read from them meanwhile (the context lengths end before them).
+
+        Args:
+            seq_id: A sequence of this allocator.
+            n: Tokens to drop, ``0 <= n <= length``.
+
+        Raises:
+            UnknownSequenceError: An unknown ``seq_id`` (a ``ValueError`` and a ``KeyError``).
+            ValueError: ``n < 0`` or more than the sequence holds; a new last block that is
+                partly filled and shared with another sequence (through :meth:`fork`): the next
+                append would write into the other sequence's tokens.
+            TypeError: ``n`` not an int.
+
+        On any error the allocator is unchanged.
+        """
+        table = self._table(seq_id)
+        n = as_int("n", n)
+        length = self.lengths[seq_id]
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        if n > length:
+            raise ValueError(f"cannot roll back more tokens than {seq_id!r} holds: n={n}, length={length}")
+        new_length = length - n
+        keep = -(-new_length // self.block_size)
+        if n and new_length % self.block_size and self._refs[table[keep - 1]] > 1:
+            raise ValueError(f"rolling {seq_id!r} back to {new_length} tokens would leave its last block, partly "
+                             f"filled, shared with another sequence (forked at a later token): roll back to a "
+                             f"multiple of block_size={self.block_size} or to the fork's length at most")
+        for b in table[keep:]:
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free.append(b)
+        del table[keep:]
+        self.lengths[seq_id] = new_length
+
     def free(self, seq_id) -> None:
         """Releases ``seq_id``'s blocks (shared ones when their last owner frees them).
 

@@ -664,6 +664,25 @@ TEST_CASE("paged caches through the C++ API: allocator, write, attend, fork, fre
     }
     REQUIRE_THROWS_AS(a.block_table({0}, 0), c10::ValueError);
     REQUIRE(a.block_table({0}, 3).size(1) == 3);
+    // rollback: back into a block shared with a fork is refused; to a block boundary it frees.
+    a.fork(0, 1);  // shares block 0, copies the partial block 1
+    const int64_t free_forked = a.free_blocks();
+    REQUIRE_THROWS_AS(a.rollback(1, 4), c10::ValueError);  // 3 tokens of shared block 0
+    REQUIRE_THROWS_AS(a.rollback(1, kBs + 4), c10::ValueError);
+    REQUIRE_THROWS_AS(a.rollback(1, -1), c10::ValueError);
+    REQUIRE_THROWS_AS(a.rollback(9, 1), c10::ValueError);
+    REQUIRE(a.free_blocks() == free_forked);
+    REQUIRE(a.context_lens({1}).item<int32_t>() == kBs + 3);
+    a.rollback(1, 3);  // kBs tokens: the copied block returns
+    REQUIRE(a.free_blocks() == free_forked + 1);
+    REQUIRE(a.block_table({1}).size(1) == 1);
+    // The next token starts a block of its own (not the parent's second block).
+    const int64_t slot = a.append(1, 1).item<int64_t>();
+    const auto t1 = a.block_table({1});
+    REQUIRE(t1.size(1) == 2);
+    REQUIRE(slot == t1[0][1].item<int32_t>() * kBs);
+    REQUIRE(t1[0][1].item<int32_t>() != a.block_table({0})[0][1].item<int32_t>());
+    a.free(1);
     a.free(0);
     REQUIRE(a.free_blocks() == 4);  // no reference left behind by the refused fork
   }

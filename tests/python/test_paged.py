@@ -505,6 +505,51 @@ def test_fork_checks_every_cache_even_without_a_copy():
     assert a.tables["c"] == a.tables["p"] == [0]
 
 
+def test_allocator_rollback_frees_blocks_and_next_append_continues():
+    """Speculative decoding over pages: 10 tokens written, 4 rejected, 3 new ones appended: the
+    attend sees the 6 kept tokens then the 3 new ones (float64 reference over those tokens), and the
+    rolled-back sequence's freed block is handed out again."""
+    g = torch.Generator().manual_seed(0)
+    a = BlockAllocator(8, 4)
+    cache = init_paged_cache(8, 4, 2, 16, torch.float32)
+    k, v = torch.randn(13, 2, 16, generator=g), torch.randn(13, 2, 16, generator=g)
+    cache.write(k[:10], v[:10], a.append("s", 10))  # blocks 0, 1, 2
+    a.rollback("s", 4)                                  # 6 tokens: blocks 0, 1; block 2 free
+    assert a.lengths["s"] == 6 and a.tables["s"] == [0, 1] and a.free_blocks == 6
+    slots = a.append("s", 3)
+    assert slots.tolist() == [6, 7, 8]                  # block 1's last two slots, block 2 again
+    cache.write(k[10:], v[10:], slots)
+    q = torch.randn(1, 4, 16, generator=g)
+    out = cache.attend(q, a.block_table(["s"]), a.context_lens(["s"]), torch.tensor([0, 1], dtype=torch.int32))
+    kept = torch.cat([torch.arange(6), torch.arange(10, 13)])
+    ref = attention_reference(q.permute(1, 0, 2).unsqueeze(0), k[kept].permute(1, 0, 2).unsqueeze(0),
+                              v[kept].permute(1, 0, 2).unsqueeze(0), torch.tensor(9))[0].permute(1, 0, 2)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    a.rollback("s", 9)
+    assert a.tables["s"] == [] and a.lengths["s"] == 0 and a.free_blocks == 8
+
+
+def test_allocator_rollback_refusals_change_nothing():
+    a = BlockAllocator(8, 4)
+    a.append("p", 9)        # blocks 0, 1 full, 2 partial
+    a.fork("p", "c")        # c shares 0, 1 and has a copy of 2
+    state = _allocator_state(a)
+    for call, exc, match in [
+        (lambda: a.rollback("c", 2), ValueError, "partly filled, shared with another sequence"),
+        (lambda: a.rollback("c", 10), ValueError, "cannot roll back more tokens than 'c' holds: n=10, length=9"),
+        (lambda: a.rollback("c", -1), ValueError, "n must be >= 0"),
+        (lambda: a.rollback("c", 1.0), TypeError, "n must be an int"),
+        (lambda: a.rollback("nobody", 1), ValueError, "unknown sequence 'nobody'"),
+    ]:
+        with pytest.raises(exc, match=match):
+            call()
+        assert _allocator_state(a) == state
+    a.rollback("c", 1)      # 8 tokens: its copied block goes back, the shared ones stay the parent's
+    assert a.tables["c"] == [0, 1] and a.tables["p"][:2] == [0, 1] and a.free_blocks == 5
+    a.rollback("c", 4)      # 4 tokens, last block full: allowed
+    assert a.tables["c"] == [0] and a.free_blocks == 5
+
+
 def test_allocator_takes_any_iterable_of_ids():
     a = BlockAllocator(8, 4)
     a.append("x", 5)

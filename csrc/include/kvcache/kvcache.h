@@ -492,6 +492,13 @@ class KVCACHE_API BlockAllocator {
   /// std::runtime_error when out of pages (on any error, std::bad_alloc
   /// included, nothing is allocated and a new seq is not registered).
   at::Tensor append(int64_t seq, int64_t n);
+  /// Drops the last n tokens of seq (rejected speculative tokens): its blocks
+  /// past the new length return to the pool when no other sequence shares
+  /// them. Throws c10::ValueError for an unknown seq, n < 0 or more than it
+  /// holds, or a new last block that is partly filled and shared with another
+  /// sequence (the next append would write into that sequence's tokens); on
+  /// any error the allocator is unchanged.
+  void rollback(int64_t seq, int64_t n);
   /// Releases seq's blocks. Throws c10::ValueError for an unknown seq.
   void free(int64_t seq);
   /// child continues from parent's tokens: full blocks shared, a partial
