@@ -576,7 +576,7 @@ void BlockAllocator::rollback(int64_t seq, int64_t n) {
                     "rolling sequence ", seq, " back to ", new_length,
                     " tokens would leave its last block, partly filled, shared with another "
                     "sequence (forked at a later token): roll back to a multiple of block_size=",
-                    block_size_, " or to the fork's length at most");
+                    block_size_, ", or no further than the length it was forked at");
   // No allocation below: free_ never holds more than num_blocks, its capacity.
   std::vector<int64_t>& mine = tables_.at(seq);
   for (size_t i = keep; i < mine.size(); ++i) {

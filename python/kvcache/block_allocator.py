@@ -143,7 +143,8 @@ class BlockAllocator:
         if n and new_length % self.block_size and self._refs[table[keep - 1]] > 1:
             raise ValueError(f"rolling {seq_id!r} back to {new_length} tokens would leave its last block, partly "
                              f"filled, shared with another sequence (forked at a later token): roll back to a "
-                             f"multiple of block_size={self.block_size} or to the fork's length at most")
+                             f"multiple of block_size={self.block_size}, or no further than the length it was "
+                             f"forked at")
         for b in table[keep:]:
             self._refs[b] -= 1
             if self._refs[b] == 0:
