@@ -509,6 +509,25 @@ int64_t BlockAllocator::take() {
   return b;
 }
 
+void BlockAllocator::release(std::vector<int64_t>::const_iterator first,
+                             std::vector<int64_t>::const_iterator last) {
+  // No allocation: free_ never holds more than num_blocks, its capacity.
+  for (; first != last; ++first) {
+    if (--refs_[*first] == 0) free_.push_back(*first);
+  }
+}
+
+std::vector<int64_t>& BlockAllocator::add_sequence(int64_t seq, int64_t length) {
+  auto it = tables_.emplace(seq, std::vector<int64_t>{}).first;
+  try {
+    lengths_.emplace(seq, length);
+  } catch (...) {
+    tables_.erase(it);
+    throw;
+  }
+  return it->second;
+}
+
 const std::vector<int64_t>& BlockAllocator::table_of(int64_t seq) const {
   auto it = tables_.find(seq);
   TORCH_CHECK_VALUE(it != tables_.end(), "unknown sequence ", seq);
@@ -549,17 +568,9 @@ at::Tensor BlockAllocator::append(int64_t seq, int64_t n) {
   for (int64_t p = length; p < length + n; ++p) {
     out[p - length] = grown[p / block_size_] * block_size_ + p % block_size_;
   }
-  if (is_new) {
-    it = tables_.emplace(seq, std::vector<int64_t>{}).first;
-    try {
-      lengths_.emplace(seq, 0);
-    } catch (...) {
-      tables_.erase(it);
-      throw;
-    }
-  }
+  std::vector<int64_t>& mine = is_new ? add_sequence(seq, 0) : it->second;
   for (int64_t i = 0; i < need; ++i) take();  // nothing below throws
-  it->second.swap(grown);
+  mine.swap(grown);
   lengths_.at(seq) += n;
   return slots;
 }
@@ -577,19 +588,15 @@ void BlockAllocator::rollback(int64_t seq, int64_t n) {
                     " tokens would leave its last block, partly filled, shared with another "
                     "sequence (forked at a later token): roll back to a multiple of block_size=",
                     block_size_, ", or no further than the length it was forked at");
-  // No allocation below: free_ never holds more than num_blocks, its capacity.
   std::vector<int64_t>& mine = tables_.at(seq);
-  for (size_t i = keep; i < mine.size(); ++i) {
-    if (--refs_[mine[i]] == 0) free_.push_back(mine[i]);
-  }
+  release(mine.begin() + static_cast<std::ptrdiff_t>(keep), mine.end());
   mine.resize(keep);
   lengths_.at(seq) = new_length;
 }
 
 void BlockAllocator::free(int64_t seq) {
-  for (int64_t b : table_of(seq)) {
-    if (--refs_[b] == 0) free_.push_back(b);
-  }
+  const std::vector<int64_t>& table = table_of(seq);
+  release(table.begin(), table.end());
   tables_.erase(seq);
   lengths_.erase(seq);
 }
@@ -623,16 +630,10 @@ void BlockAllocator::fork(int64_t parent, int64_t child, const std::vector<at::T
     for (const at::Tensor& t : pages) t.select(0, copy).copy_(t.select(0, table.back()));
     mine.push_back(copy);
   }
-  auto it = tables_.emplace(child, std::vector<int64_t>{}).first;
-  try {
-    lengths_.emplace(child, length);
-  } catch (...) {
-    tables_.erase(it);
-    throw;
-  }
+  std::vector<int64_t>& table_c = add_sequence(child, length);
   if (partial) take();
   for (size_t i = 0; i < shared; ++i) ++refs_[mine[i]];
-  it->second.swap(mine);
+  table_c.swap(mine);
 }
 
 at::Tensor BlockAllocator::block_table(const std::vector<int64_t>& seqs,

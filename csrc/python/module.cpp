@@ -108,8 +108,9 @@ Returns:
       py::arg("shape"), py::arg("dtype"), py::arg("device") = std::nullopt,
       R"doc(Returns a zero-filled contiguous buffer for a cache, as ``torch.zeros``.
 
-On the CPU (Linux) the buffer's 2 MB aligned part is advised into
-transparent huge pages before it is filled (``madvise(MADV_HUGEPAGE)``):
+On the CPU (Linux) the buffer's huge-page-aligned part (2 MB pages on
+x86-64) is advised into transparent huge pages before it is filled
+(``madvise(MADV_HUGEPAGE)``):
 fewer TLB misses when attend reads the cache (csrc/core/memory.h);
 ``KVCACHE_HUGE_PAGES=0`` turns this off. ``init_layer_cache`` allocates
 keys and values this way.

@@ -59,6 +59,13 @@ class BlockAllocator:
             raise UnknownSequenceError(f"unknown sequence {seq_id!r}")
         return table
 
+    def _release(self, blocks: List[int]) -> None:
+        # One reference less to each block; a block no sequence holds returns to the free list.
+        for b in blocks:
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free.append(b)
+
     def _take(self) -> int:
         if not self._free:
             raise RuntimeError(f"out of pages: all {self.num_blocks} blocks are in use")
@@ -145,10 +152,7 @@ class BlockAllocator:
                              f"filled, shared with another sequence (forked at a later token): roll back to a "
                              f"multiple of block_size={self.block_size}, or no further than the length it was "
                              f"forked at")
-        for b in table[keep:]:
-            self._refs[b] -= 1
-            if self._refs[b] == 0:
-                self._free.append(b)
+        self._release(table[keep:])
         del table[keep:]
         self.lengths[seq_id] = new_length
 
@@ -161,10 +165,7 @@ class BlockAllocator:
         Raises:
             UnknownSequenceError: An unknown ``seq_id`` (a ``ValueError`` and a ``KeyError``).
         """
-        for b in self._table(seq_id):
-            self._refs[b] -= 1
-            if self._refs[b] == 0:
-                self._free.append(b)
+        self._release(self._table(seq_id))
         del self.tables[seq_id], self.lengths[seq_id]
 
     def fork(self, parent, child, caches: Iterable[PagedKVCache] = ()) -> None:

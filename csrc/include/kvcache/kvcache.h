@@ -518,6 +518,13 @@ class KVCACHE_API BlockAllocator {
 
  private:
   int64_t take();
+  // Drops one reference to each block of [first, last); a block no sequence
+  // holds returns to the free list. Does not throw.
+  void release(std::vector<int64_t>::const_iterator first,
+               std::vector<int64_t>::const_iterator last);
+  // Registers a new sequence of `length` tokens with an empty table (both
+  // entries or, when an allocation throws, neither); returns its table.
+  std::vector<int64_t>& add_sequence(int64_t seq, int64_t length);
   const std::vector<int64_t>& table_of(int64_t seq) const;
 
   int64_t num_blocks_, block_size_;
