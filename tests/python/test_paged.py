@@ -2,6 +2,7 @@
 PyTorch (indexing for the write, the float64 reference over each sequence's gathered slots for the
 attend), the allocator, bad metadata refused before anything is read or written, traced paths."""
 
+import contextlib
 import os
 import random
 import subprocess
@@ -202,6 +203,26 @@ def test_split_rows_with_threads():
     with forced_split():
         out = attend_pages(q, kp, vp, table, lens, cu)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [1, 2, 8, 16])
+@pytest.mark.parametrize("opts", [{}, dict(window=45), dict(window=21, softcap=5.0)])
+@pytest.mark.parametrize("split", [False, True])
+def test_decode_pieces_across_pages(dtype, block_size, opts, split):
+    """Decode over pages smaller than the kernel's piece (SmolLM2's 9 / 3 heads, head_dim 64: the
+    micro-kernels read a piece's rows across pages by their addresses): lengths and windows that
+    start and end mid-page, shuffled pages, rows split over tasks at block boundaries, against the
+    float64 reference."""
+    from kv_testing import forced_split
+
+    ctx = [1, 15, 16, 17, 63, 64, 65, 200, 333]
+    q, kp, vp, table, lens, cu = make_case(ctx, [1] * len(ctx), heads=9, kv_heads=3, dim=64,
+                                           block_size=block_size, dtype=dtype, seed=block_size)
+    ref = reference(q, kp, vp, table, lens, cu, **opts)
+    with forced_split() if split else contextlib.nullcontext():
+        out = attend_pages(q, kp, vp, table, lens, cu, **opts)
+    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
