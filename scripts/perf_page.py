@@ -10,7 +10,8 @@ the CPU model and the attend kernel's ISA path each JSON records), and the page
 ``docs/performance/<machine>.md`` is written from them with its plots in
 ``docs/performance/<machine>/``: attend against its peers over filled slots, decode tokens/s against
 context, memory per cache format, and continuous-batching throughput against requests when
-``bench_generate_batch.py`` JSON is among them. ``docs/performance/index.md`` lists the pages.
+``bench_generate_batch.py`` JSON is among them, and paged attend against contiguous attend when
+``bench_paged.py`` JSON is. ``docs/performance/index.md`` lists the pages.
 
 ``bench_generate_batch.py`` runs in slices (paged|sdpa takes minutes per row): each slice's JSON is
 kept as ``generate_batch-<axes>.json`` (``slice_name``) beside the others, and the page shows the
@@ -54,6 +55,8 @@ def kind_of(doc: dict) -> str:
         return "attend"
     if "vs_index_copy" in keys or any(r.get("case") == "scaling" for r in rows):
         return "update"
+    if "vs_token_major" in keys:
+        return "paged"
     return "other"
 
 
@@ -312,6 +315,26 @@ def update_section(doc: dict) -> List[str]:
     return lines + table(["threads", "batch", "capacity", "method", "µs", "vs 2x index_copy_"], body)
 
 
+def paged_section(doc: dict) -> List[str]:
+    """benchmarks/bench_paged.py's rows: paged attend against contiguous attend over the same tokens."""
+    env, rows = doc["env"], doc["rows"]
+    huge = any("huge_gain" in r for r in rows)
+    lines = ["## Paged attend against contiguous attend", "",
+             "benchmarks/bench_paged.py: one step (each sequence's last `queries each` tokens) over sequences "
+             "from 1/8 of the longest to the longest, in shuffled pages (`attend_pages`), against `attend` over "
+             "the same tokens in a head-major cache (`ratio`: paged over it) and in token-major memory, the "
+             "pages' slot layout without a block table (`vs token-major`: what the block table itself costs); "
+             "µs, median of interleaved rounds.", ""]
+    header = ["threads", "dtype", "page slots", "sequences", "queries each", "longest", "contiguous µs",
+              "token-major µs", "paged µs", "ratio", "vs token-major"] + (["huge-page gain"] if huge else [])
+    body = [[threads_label(r["threads"], env), r["dtype"], r["block_size"], r["batch"], r.get("q_len", 1),
+             r.get("max_len"), r["contiguous_us"], r["token_major_us"], r["paged_us"], r["ratio"],
+             r["vs_token_major"]]
+            + ([r.get("huge_gain")] if huge else [])
+            for r in rows]
+    return lines + table(header, body)
+
+
 def batch_section(doc: dict, outdir: str, rel: str) -> List[str]:
     rows = doc["rows"]
     plt = _plt()
@@ -359,7 +382,7 @@ def machine_lines(docs: Dict[str, dict]) -> List[str]:
     for kind, doc in runs:
         a = doc.get("args", {})
         script = doc["env"].get("benchmark") or {"attend": "bench_attend.py", "e2e": "bench_e2e.py",
-                                                  "update": "bench_update.py",
+                                                  "update": "bench_update.py", "paged": "bench_paged.py",
                                                   "generate_batch": "bench_generate_batch.py"}.get(kind, kind)
         flags = []
         if a.get("quick"):
@@ -371,6 +394,12 @@ def machine_lines(docs: Dict[str, dict]) -> List[str]:
         if kind == "generate_batch":  # every axis it was run with (paths left out)
             for k in ("requests", "dtype", "model", "prompt_min", "prompt_max", "new_tokens", "max_batch_tokens",
                       "attn"):
+                v = a.get(k)
+                if v is not None:
+                    shown = " ".join(map(str, v)) if isinstance(v, list) else str(v)
+                    flags.append(f"--{k.replace('_', '-')} {shown}")
+        if kind == "paged":
+            for k in ("dtypes", "block_sizes", "batch", "q_len", "huge_pages", "rounds"):
                 v = a.get(k)
                 if v is not None:
                     shown = " ".join(map(str, v)) if isinstance(v, list) else str(v)
@@ -398,6 +427,8 @@ def render(slug: str, docs: Dict[str, dict], outdir: Optional[str] = None) -> st
     lines += memory_section(outdir, slug)
     if "update" in docs:
         lines += update_section(docs["update"])
+    if "paged" in docs:
+        lines += paged_section(docs["paged"])
     if "generate_batch" in docs:
         lines += batch_section(docs["generate_batch"], outdir, slug)
     return "\n".join(lines).rstrip() + "\n"

@@ -84,14 +84,18 @@ def fixture_docs():
                                vs_prefix_sdpa=us / 20, vs_best=0.5, best_peer="SDPA prefix view",
                                masked_over_this=8.0, bw_frac=0.5))
     batch = [dict(requests=r, attn=a, tokens_per_s=100.0 * r) for r in (1, 4) for a in ("paged", "sdpa")]
+    paged = [dict(threads=1, dtype="bfloat16", block_size=16, batch=16, q_len=1, max_len=4096, contiguous_us=700.0,
+                  token_major_us=720.0, paged_us=805.0, ratio=1.15, vs_token_major=1.118)]
     return {"attend": dict(env=env, args=dict(quick=True, threads=[1]), rows=attend),
-            "generate_batch": dict(env=dict(env, benchmark="bench_generate_batch.py"), args={}, rows=batch)}
+            "generate_batch": dict(env=dict(env, benchmark="bench_generate_batch.py"), args={}, rows=batch),
+            "paged": dict(env=dict(env, benchmark="bench_paged.py"),
+                          args=dict(threads=[1], dtypes=["bfloat16"], block_sizes=[16]), rows=paged)}
 
 
 def test_perf_page_renders_from_json(tmp_path):
     perf = load("perf_page", "scripts/perf_page.py")
     docs = fixture_docs()
-    assert {perf.kind_of(d) for d in docs.values()} == {"attend", "generate_batch"}
+    assert {perf.kind_of(d) for d in docs.values()} == {"attend", "generate_batch", "paged"}
     slug = perf.machine_slug(docs["attend"]["env"])
     assert slug == "test-f1-m2-avx2"
     text = perf.render(slug, docs, str(tmp_path))
@@ -101,6 +105,9 @@ def test_perf_page_renders_from_json(tmp_path):
     assert "| float32 | 256 | 4096 | 10 |" in text
     assert "## Continuous batching throughput" in text
     assert "47.8" in text  # SmolLM2's int8 cache at 4096 slots, MiB
+    assert "## Paged attend against contiguous attend" in text
+    assert "| 1 | bfloat16 | 16 | 16 | 1 | 4096 | 700 | 720 | 805 | 1.15 | 1.12 |" in text
+    assert "python benchmarks/bench_paged.py --threads 1 --dtypes bfloat16 --block-sizes 16 --json paged.json" in text
 
 
 def test_perf_page_merges_generate_batch_slices(tmp_path):
