@@ -1,11 +1,14 @@
-"""A fixed quick set of 16 attend rows, optionally against another build, interleaved.
+"""A fixed quick set of 20 attend rows, optionally against another build, interleaved.
 
 ``python benchmarks/bench_quickset.py [--against DIR] [--rounds 5] [--json F]``
 
 The regression check for kernel changes (issue 41: "no speed is lost"): decode at 4096 and 16384
 filled slots and 128-query chunks over 4096; float32, bfloat16 and int8 caches; contiguous caches
-and sliding-window rings; 1 and 2 threads. Geometry: batch 1, 32 query heads over 8 KV heads,
-head_dim 128, int8 read by bfloat16 queries.
+and sliding-window rings; 1 and 2 threads. Geometry: batch 1, 16 query heads over 4 KV heads,
+head_dim 128, int8 read by bfloat16 queries. Four rows of grouped decode tasks (every KV head of a
+sequence in one task, read slot by slot) in SmolLM2's geometry, as ``bench_paged.py`` builds them:
+16 sequences of 512-4096 tokens, 9 query heads over 3 KV heads, head_dim 64, in token-major memory
+and in shuffled 16-slot pages (``attend_pages``).
 
 ``--against DIR``: the ``python`` folder of another build of kvcache (e.g. the old main, built
 with ``git worktree add /tmp/old <rev> && cd /tmp/old && python setup.py build_ext --inplace``).
@@ -48,6 +51,10 @@ ROWS = [
     ("decode 16384 int8", "linear", "int8", 16384, 1, 2),
     ("chunk128 4096 fp32", "linear", "float32", 4096, 128, 2),
     ("ring decode bf16", "ring", "bfloat16", 0, 1, 2),
+    ("token-major fp32", "token_major", "float32", 4096, 1, 1),
+    ("paged16 fp32", "paged16", "float32", 4096, 1, 1),
+    ("paged16 bf16", "paged16", "bfloat16", 4096, 1, 1),
+    ("paged16 bf16", "paged16", "bfloat16", 4096, 1, 2),
 ]
 
 
@@ -56,6 +63,7 @@ def _worker(min_time: float) -> None:
     import torch
     from torch.utils import benchmark
 
+    import bench_paged
     import kvcache
 
     out: Dict[str, float] = {"_file": kvcache.__file__}
@@ -64,8 +72,13 @@ def _worker(min_time: float) -> None:
         torch.set_num_threads(threads)
         g = torch.Generator().manual_seed(i)
         qdtype = torch.bfloat16 if dt in ("bfloat16", "int8") else torch.float32
-        key = (layout, dt, filled)
-        if key not in caches:
+        grouped = layout in ("token_major", "paged16")
+        key = ("grouped" if grouped else layout, dt, filled)
+        if grouped:  # bench_paged's calls: (contiguous, token_major, paged, sdpa)
+            if key not in caches:
+                caches[key] = bench_paged.case(16, 9, 3, 64, filled, 16, qdtype)
+            fn = caches[key][1 if layout == "token_major" else 2]
+        elif key not in caches:
             if layout == "ring":
                 cache = kvcache.init_ring_layer_cache(1, KV_HEADS, HEAD_DIM, WINDOW, qdtype, sinks=SINKS,
                                                       max_step=128)
@@ -77,9 +90,9 @@ def _worker(min_time: float) -> None:
                 k = torch.randn(1, KV_HEADS, filled, HEAD_DIM, generator=g).to(qdtype)
                 cache = kvcache.update_kv_layer_cache(cache, k, k * 0.5, 0)
             caches[key] = cache
-        cache = caches[key]
-        q = torch.randn(1, HEADS, nq, HEAD_DIM, generator=g).to(qdtype)
-        fn = (lambda q=q, c=cache: kvcache.attend(q, c))
+        if not grouped:
+            q = torch.randn(1, HEADS, nq, HEAD_DIM, generator=g).to(qdtype)
+            fn = (lambda q=q, c=caches[key]: kvcache.attend(q, c))
         fn()
         t = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
         out[str(i)] = min(t.blocked_autorange(min_run_time=min_time).median for _ in range(2)) * 1e6
