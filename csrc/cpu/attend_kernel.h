@@ -50,8 +50,9 @@ inline void store_tile_sums(const typename Vec::V* acc, float scale, float* s, i
   }
 }
 
-template <int R, int C, typename KR>
-inline void qk_tile(const float* q, int64_t ldq, KR k, int64_t dim, float* s, int64_t lds) {
+template <int R, int C, typename TK>
+inline void qk_tile(const float* q, int64_t ldq, const TK* k, int64_t ldk,
+                    int64_t dim, float* s, int64_t lds) {
   using V = typename Vec::V;
   V acc[R * C];
 #pragma GCC unroll 16
@@ -59,7 +60,7 @@ inline void qk_tile(const float* q, int64_t ldq, KR k, int64_t dim, float* s, in
   for (int64_t d = 0; d < dim; d += Vec::kLanes) {
     V kv[C];
 #pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) kv[c] = Vec::load(k.row(c) + d);
+    for (int c = 0; c < C; ++c) kv[c] = Vec::load(k + c * ldk + d);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       V qv = Vec::load(q + r * ldq + d);
@@ -85,12 +86,6 @@ struct Ahead {
   // > 0 (the float and bf16 score loops): ask for rows [0, spread) of k and
   // v evenly over the pass's tiles, instead of a stream ahead of them.
   int64_t spread = 0;
-  // When the pass reads its rows across pages (PointerRows), those rows are
-  // the task's slots [first, first + spread) of kp and vp; otherwise they
-  // are ldk / ldv apart from k / v.
-  const PagedBytes* kp = nullptr;
-  const PagedBytes* vp = nullptr;
-  int64_t first = 0;
 };
 
 // One cache line asked for, into L2 (see kStreamAhead). On x86 as an asm statement the compiler must
@@ -117,22 +112,6 @@ inline void prefetch_rows(const char* base, int64_t ld, int64_t j0, int64_t j1, 
   }
   for (int64_t j = j0; j < j1; ++j) {
     for (int64_t off = 0; off < bytes; off += 64) prefetch_line(base + j * ld + off);
-  }
-}
-
-// Rows [r0, r1) of a spread's keys and values (Ahead::spread): across
-// pages (kAcross: Ahead::kp, vp, row by row) or ldk / ldv apart.
-// Inline: called per tile, a call would clobber the tiles' vector registers.
-template <bool kAcross>
-__attribute__((always_inline)) inline void prefetch_spread(const Ahead& a, int64_t r0, int64_t r1) {
-  if constexpr (!kAcross) {
-    prefetch_rows(a.k, a.ldk, r0, r1, a.row_bytes);
-    prefetch_rows(a.v, a.ldv, r0, r1, a.row_bytes);
-    return;
-  }
-  for (int64_t r = a.first + r0; r < a.first + r1; ++r) {
-    prefetch_rows(a.kp->row(r), 0, 0, 1, a.row_bytes);
-    prefetch_rows(a.vp->row(r), 0, 0, 1, a.row_bytes);
   }
 }
 
@@ -232,9 +211,9 @@ class Trickle {
 // half the multiply instructions of qk_tile on the widened keys, and none
 // of its conversions. The products are exact in float32, as the widened
 // ones are; only the scaling moves after the sum. dim: a multiple of 32.
-template <typename Dot, int R, int C, typename KR>
-inline void qk_tile_bf16(const c10::BFloat16* q, int64_t ldq, KR k, int64_t dim, float qscale, float* s,
-                         int64_t lds) {
+template <typename Dot, int R, int C>
+inline void qk_tile_bf16(const c10::BFloat16* q, int64_t ldq, const c10::BFloat16* k, int64_t ldk,
+                         int64_t dim, float qscale, float* s, int64_t lds) {
   using V = typename Vec::V;
   using W = typename Dot::W;
   V acc[R * C];
@@ -243,7 +222,7 @@ inline void qk_tile_bf16(const c10::BFloat16* q, int64_t ldq, KR k, int64_t dim,
   for (int64_t d = 0; d < dim; d += 2 * Vec::kLanes) {
     W kv[C];
 #pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) kv[c] = Dot::load_row(k.row(c) + d);
+    for (int c = 0; c < C; ++c) kv[c] = Dot::load_row(k + c * ldk + d);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       W qv = Dot::load_row(q + r * ldq + d);
@@ -260,8 +239,9 @@ inline void qk_tile_bf16(const c10::BFloat16* q, int64_t ldq, KR k, int64_t dim,
 // to int16 (round_queries_i16) and k a block of int8 keys read in place; the
 // key scales are applied to the columns afterwards, as on the float path.
 // qsv[r * C + c] = qs[r]: the rows' scales laid out as the tile's sums.
-template <typename Dot, int R, int C, typename KR>
-__attribute__((always_inline)) inline void qk_tile_i8(const int16_t* q, int64_t ldq, KR k, int64_t dim,
+template <typename Dot, int R, int C>
+__attribute__((always_inline)) inline void qk_tile_i8(const int16_t* q, int64_t ldq,
+                                                      const int8_t* k, int64_t ldk, int64_t dim,
                                                       const float* qsv, float* s, int64_t lds) {
   // Accumulators in groups of eight, one hsum8 a group; those past R * C
   // stay zero.
@@ -284,7 +264,7 @@ __attribute__((always_inline)) inline void qk_tile_i8(const int16_t* q, int64_t 
       }
 #pragma GCC unroll 8
       for (int c = 0; c < C; ++c) {
-        const VI kv = Dot::load_k(k.row(c) + d);
+        const VI kv = Dot::load_k(k + c * ldk + d);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           acc[r * C + c] = Dot::dot_acc(acc[r * C + c], qv[r], kv);
@@ -298,7 +278,7 @@ __attribute__((always_inline)) inline void qk_tile_i8(const int16_t* q, int64_t 
       // benchmarks/bench_attend.py --dtypes int8 --isa avx2).
       VI kv[C];
 #pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) kv[c] = Dot::load_k(k.row(c) + d);
+      for (int c = 0; c < C; ++c) kv[c] = Dot::load_k(k + c * ldk + d);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         VI qv = Dot::load_q(q + r * ldq + d);
@@ -330,8 +310,9 @@ __attribute__((always_inline)) inline void qk_tile_i8(const int16_t* q, int64_t 
 // vpmaddwd per pair, row and 8 columns; the int32 sums are exact (at most
 // kBlock / 2 pairs of 2 * 32767 * 128). R rows x 16 W columns a tile: the
 // weight pairs broadcast once per pair serve W column blocks.
-template <typename Dot, int R, int W, typename VR>
-__attribute__((always_inline)) inline void pv_tile_i8(const int16_t* wq, int64_t ldw, VR v, int64_t n,
+template <typename Dot, int R, int W>
+__attribute__((always_inline)) inline void pv_tile_i8(const int16_t* wq, int64_t ldw,
+                                                      const int8_t* v, int64_t ldv, int64_t n,
                                                       float* o, int64_t ldo, const float* alpha,
                                                       const float* ws) {
   using VI = typename Dot::VI;
@@ -362,12 +343,12 @@ __attribute__((always_inline)) inline void pv_tile_i8(const int16_t* wq, int64_t
   int64_t j = 0;
   for (; j + 2 <= n; j += 2) {
     step(j, [&](int b, VI& lo, VI& hi) __attribute__((always_inline)) {
-      Dot::load_v_pair(v.row(j) + 16 * b, v.row(j + 1) + 16 * b, lo, hi);
+      Dot::load_v_pair(v + j * ldv + 16 * b, v + (j + 1) * ldv + 16 * b, lo, hi);
     });
   }
   if (j < n) {  // wq[r, n] is 0 (pv_block)
     step(j, [&](int b, VI& lo, VI& hi) __attribute__((always_inline)) {
-      Dot::load_v_one(v.row(j) + 16 * b, lo, hi);
+      Dot::load_v_one(v + j * ldv + 16 * b, lo, hi);
     });
   }
 #pragma GCC unroll 8
@@ -430,8 +411,9 @@ inline bool round_queries_i16(const Plan& plan, int64_t rows, Scratch& sc) {
 
 // o[r, :LW] = alpha[r] * o[r, :LW] + sum_j p[r, j] * v[j, :LW] for R rows
 // (L = Vec::kLanes); alpha nullptr: no rescale (a later chunk of a block).
-template <int R, int W, typename VR>
-inline void pv_tile(const float* p, int64_t ldp, VR v, int64_t n, float* o, int64_t ldo, const float* alpha) {
+template <int R, int W, typename TV>
+inline void pv_tile(const float* p, int64_t ldp, const TV* v, int64_t ldv,
+                    int64_t n, float* o, int64_t ldo, const float* alpha) {
   using V = typename Vec::V;
   V acc[R * W];
 #pragma GCC unroll 16
@@ -443,7 +425,7 @@ inline void pv_tile(const float* p, int64_t ldp, VR v, int64_t n, float* o, int6
   for (int64_t j = 0; j < n; ++j) {
     V vv[W];
 #pragma GCC unroll 16
-    for (int w = 0; w < W; ++w) vv[w] = Vec::load(v.row(j) + Vec::kLanes * w);
+    for (int w = 0; w < W; ++w) vv[w] = Vec::load(v + j * ldv + Vec::kLanes * w);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const V pb = Vec::set1(p[r * ldp + j]);
@@ -489,9 +471,9 @@ inline void for_value_chunks(const TV* v, int64_t ldv, int64_t n, const Ahead& a
 // O[r, :32 W] = alpha[r] O[r, :32 W] + sum_j pb[r, j] v[j, :32 W] for R rows
 // over n slots (n odd: the last slot pairs with 0; pb[r, n] is not read);
 // alpha nullptr: no rescale (a later chunk of a block).
-template <typename Dot, int R, int W, typename VR>
-inline void pv_tile_bf16(const c10::BFloat16* pb, int64_t ldp, VR v, int64_t n, float* o, int64_t ldo,
-                         const float* alpha) {
+template <typename Dot, int R, int W>
+inline void pv_tile_bf16(const c10::BFloat16* pb, int64_t ldp, const c10::BFloat16* v, int64_t ldv,
+                         int64_t n, float* o, int64_t ldo, const float* alpha) {
   using V = typename Vec::V;
   using PW = typename Dot::W;
   V acc[R * 2 * W];
@@ -528,7 +510,7 @@ inline void pv_tile_bf16(const c10::BFloat16* pb, int64_t ldp, VR v, int64_t n, 
 #pragma GCC unroll 8
     for (int w = 0; w < W; ++w) {
       const int64_t d = 2 * Vec::kLanes * w;
-      Dot::pair_rows(Dot::load_row(v.row(j) + d), Dot::load_row(v.row(j + 1) + d), lo[w], hi[w]);
+      Dot::pair_rows(Dot::load_row(v + j * ldv + d), Dot::load_row(v + (j + 1) * ldv + d), lo[w], hi[w]);
     }
     step(lo, hi, [&](int r) { return Dot::set1(pb + r * ldp + j); });
   }
@@ -536,7 +518,7 @@ inline void pv_tile_bf16(const c10::BFloat16* pb, int64_t ldp, VR v, int64_t n, 
     PW lo[W], hi[W];
 #pragma GCC unroll 8
     for (int w = 0; w < W; ++w) {
-      Dot::pair_rows(Dot::load_row(v.row(j) + 2 * Vec::kLanes * w), Dot::zero(), lo[w], hi[w]);
+      Dot::pair_rows(Dot::load_row(v + j * ldv + 2 * Vec::kLanes * w), Dot::zero(), lo[w], hi[w]);
     }
     step(lo, hi, [&](int r) { return Dot::set1_lo(pb + r * ldp + j); });
   }
@@ -832,10 +814,10 @@ struct FloatScores {
   static constexpr bool kOutline = false;
   template <int R>
   static constexpr int cols() { return R == 1 ? Vec::kAcc : R == 2 ? Vec::kAcc / 2 : Vec::kAcc / 4; }
-  template <int R, int C, typename KR>
-  static void tile(const Q* q, int64_t ldq, KR k, int64_t dim, float /*qscale*/, const float* /*qsv*/, float* s,
-                   int64_t lds) {
-    qk_tile<R, C>(q, ldq, k, dim, s, lds);
+  template <int R, int C, typename TK>
+  static void tile(const Q* q, int64_t ldq, const TK* k, int64_t ldk, int64_t dim, float /*qscale*/,
+                   const float* /*qsv*/, float* s, int64_t lds) {
+    qk_tile<R, C>(q, ldq, k, ldk, dim, s, lds);
   }
 };
 
@@ -848,10 +830,10 @@ struct Bf16Scores {
   static constexpr bool kBurst = false, kRowScales = false, kOutline = false;
   template <int R>
   static constexpr int cols() { return FloatScores::cols<R>(); }
-  template <int R, int C, typename KR>
-  static void tile(const Q* q, int64_t ldq, KR k, int64_t dim, float qscale, const float* /*qsv*/, float* s,
-                   int64_t lds) {
-    qk_tile_bf16<Dot, R, C>(q, ldq, k, dim, qscale, s, lds);
+  template <int R, int C>
+  static void tile(const Q* q, int64_t ldq, const c10::BFloat16* k, int64_t ldk, int64_t dim, float qscale,
+                   const float* /*qsv*/, float* s, int64_t lds) {
+    qk_tile_bf16<Dot, R, C>(q, ldq, k, ldk, dim, qscale, s, lds);
   }
 };
 
@@ -872,10 +854,10 @@ struct Int16Scores {
   static constexpr bool kBurst = true, kRowScales = true, kOutline = Vec::kAcc >= 16;
   template <int R>
   static constexpr int cols() { return std::min(8, (Vec::kAcc >= 16 ? 24 : 8) / R); }
-  template <int R, int C, typename KR>
-  static void tile(const Q* q, int64_t ldq, KR k, int64_t dim, float /*qscale*/, const float* qsv, float* s,
-                   int64_t lds) {
-    qk_tile_i8<Dot, R, C>(q, ldq, k, dim, qsv, s, lds);
+  template <int R, int C>
+  static void tile(const Q* q, int64_t ldq, const int8_t* k, int64_t ldk, int64_t dim, float /*qscale*/,
+                   const float* qsv, float* s, int64_t lds) {
+    qk_tile_i8<Dot, R, C>(q, ldq, k, ldk, dim, qsv, s, lds);
   }
 };
 
@@ -890,19 +872,13 @@ struct Int16Scores {
 // inlined there its register tiles were compiled among run_task's live
 // values (a decode over a contiguous fp32 cache ran 1.1x slower when GCC
 // inlined pv_block into a larger run_task).
-template <typename Fmt, typename KR>
+template <typename Fmt, typename TK>
 __attribute__((noinline))
-void qk_block(const typename Fmt::Q* q, int64_t ldq, const float* qs, KR k, int64_t dim, int64_t rows, int64_t n,
-              float* s, int64_t lds, const Ahead* ahead, float qscale = 1.f) {
+void qk_block(const typename Fmt::Q* q, int64_t ldq, const float* qs, const TK* k, int64_t ldk, int64_t dim,
+              int64_t rows, int64_t n, float* s, int64_t lds, const Ahead* ahead, float qscale = 1.f) {
   if (ahead != nullptr && (Fmt::kBurst ? ahead->k == nullptr : ahead->row_bytes == 0)) ahead = nullptr;
-  // Keys across pages (PointerRows) come with a spread (run_task); the
-  // stream form reads the block's own rows as one strided run.
-  if constexpr (!KR::kStrided) {
-    if (ahead != nullptr && (Fmt::kBurst || ahead->spread == 0)) ahead = nullptr;
-  }
-  const char* const kc = reinterpret_cast<const char*>(k.row(0));
-  int64_t ldkb = 0;
-  if constexpr (KR::kStrided) ldkb = k.ld * int64_t(sizeof(typename KR::Elem));
+  const char* const kc = reinterpret_cast<const char*>(k);
+  const int64_t ldkb = ldk * int64_t(sizeof(TK));
   auto group = [&](auto rc, int64_t r, const Ahead* a) __attribute__((always_inline)) {
     constexpr int R = decltype(rc)::value;
     constexpr int C = Fmt::template cols<R>();
@@ -928,16 +904,20 @@ void qk_block(const typename Fmt::Q* q, int64_t ldq, const float* qs, KR k, int6
             prefetch_rows(a->v, a->ldv, c, e, a->row_bytes);
           }
         } else if (a->spread > 0) {
-          prefetch_spread<!KR::kStrided>(*a, c * a->spread / n, (c + C) * a->spread / n);
+          const int64_t r0 = c * a->spread / n, r1 = (c + C) * a->spread / n;
+          prefetch_rows(a->k, a->ldk, r0, r1, a->row_bytes);
+          prefetch_rows(a->v, a->ldv, r0, r1, a->row_bytes);
         } else {
           prefetch_stream(kc, a->k, ldkb, a->ldk, n, a->rows, c + dist, c + dist + C, a->row_bytes);
           if (a->v_cur != nullptr) prefetch_rows(a->v_cur, a->ldv, c, c + C, a->row_bytes);
         }
       }
-      Fmt::template tile<R, C>(qr, ldq, k.from(c), dim, qscale, qsv, sr + c, lds);
+      Fmt::template tile<R, C>(qr, ldq, k + c * ldk, ldk, dim, qscale, qsv, sr + c, lds);
     }
     if (!Fmt::kBurst && a != nullptr && a->spread > 0 && c < n) {  // the tail tiles' share
-      prefetch_spread<!KR::kStrided>(*a, c * a->spread / n, a->spread);
+      const int64_t r0 = c * a->spread / n;
+      prefetch_rows(a->k, a->ldk, r0, a->spread, a->row_bytes);
+      prefetch_rows(a->v, a->ldv, r0, a->spread, a->row_bytes);
     }
     if constexpr (Fmt::kBurst) {
       if (a != nullptr && c < a->rows) {
@@ -945,7 +925,7 @@ void qk_block(const typename Fmt::Q* q, int64_t ldq, const float* qs, KR k, int6
         prefetch_rows(a->v, a->ldv, c, a->rows, a->row_bytes);
       }
     }
-    for (; c < n; ++c) Fmt::template tile<R, 1>(qr, ldq, k.from(c), dim, qscale, qs1, sr + c, lds);
+    for (; c < n; ++c) Fmt::template tile<R, 1>(qr, ldq, k + c * ldk, ldk, dim, qscale, qs1, sr + c, lds);
   };
   auto run = [&](auto rc, int64_t r) {
     const Ahead* a = r == 0 ? ahead : nullptr;
@@ -975,10 +955,10 @@ struct FloatWeights {
     constexpr int w = R == 1 ? Vec::kAcc : R == 2 ? Vec::kAcc / 2 : Vec::kAcc / 4;
     return w > 8 ? 8 : w;
   }
-  template <int R, int W, typename VR>
-  static void tile(const P* p, int64_t ldp, VR v, int64_t n, float* o, int64_t ldo, const float* alpha,
-                   const float* /*ws*/) {
-    pv_tile<R, W>(p, ldp, v, n, o, ldo, alpha);
+  template <int R, int W, typename TV>
+  static void tile(const P* p, int64_t ldp, const TV* v, int64_t ldv, int64_t n, float* o, int64_t ldo,
+                   const float* alpha, const float* /*ws*/) {
+    pv_tile<R, W>(p, ldp, v, ldv, n, o, ldo, alpha);
   }
 };
 
@@ -995,10 +975,10 @@ struct Bf16Weights {
   static constexpr bool kChunks = true;
   template <int R>
   static constexpr int width() { return R <= 2 ? 4 : 2; }
-  template <int R, int W, typename VR>
-  static void tile(const P* p, int64_t ldp, VR v, int64_t n, float* o, int64_t ldo, const float* alpha,
-                   const float* /*ws*/) {
-    pv_tile_bf16<Dot, R, W>(p, ldp, v, n, o, ldo, alpha);
+  template <int R, int W>
+  static void tile(const P* p, int64_t ldp, const c10::BFloat16* v, int64_t ldv, int64_t n, float* o,
+                   int64_t ldo, const float* alpha, const float* /*ws*/) {
+    pv_tile_bf16<Dot, R, W>(p, ldp, v, ldv, n, o, ldo, alpha);
   }
 };
 
@@ -1016,10 +996,10 @@ struct Int16Weights {
   static constexpr bool kChunks = false;
   template <int R>
   static constexpr int width() { return Vec::kAcc >= 16 ? (R == 4 ? 3 : 4) : 1; }
-  template <int R, int W, typename VR>
-  static void tile(const P* p, int64_t ldp, VR v, int64_t n, float* o, int64_t ldo, const float* alpha,
-                   const float* ws) {
-    pv_tile_i8<Dot, R, W>(p, ldp, v, n, o, ldo, alpha, ws);
+  template <int R, int W>
+  static void tile(const P* p, int64_t ldp, const int8_t* v, int64_t ldv, int64_t n, float* o, int64_t ldo,
+                   const float* alpha, const float* ws) {
+    pv_tile_i8<Dot, R, W>(p, ldp, v, ldv, n, o, ldo, alpha, ws);
   }
 };
 
@@ -1036,10 +1016,11 @@ struct Int16Weights {
 // block's rows) go by chunks of ahead->pv_chunk slots, each asking for the
 // value stream kStreamAhead bytes ahead (Fmt::kChunks); a packed block
 // (ahead nullptr) in one pass.
-template <typename Fmt, typename VR>
+template <typename Fmt, typename TV>
 __attribute__((noinline))
-bool pv_block(const float* p, int64_t ldp, VR v, int64_t n, float* o, int64_t ldo, const float* alpha, int64_t rows,
-              int64_t dim, const Ahead* ahead = nullptr, typename Fmt::P* pw = nullptr, float* ws = nullptr) {
+bool pv_block(const float* p, int64_t ldp, const TV* v, int64_t ldv, int64_t n, float* o, int64_t ldo,
+              const float* alpha, int64_t rows, int64_t dim, const Ahead* ahead = nullptr,
+              typename Fmt::P* pw = nullptr, float* ws = nullptr) {
   using P = typename Fmt::P;
   const P* w = nullptr;
   int64_t ldw = 0;
@@ -1080,36 +1061,32 @@ bool pv_block(const float* p, int64_t ldp, VR v, int64_t n, float* o, int64_t ld
       constexpr int W = Fmt::template width<R>();
       constexpr int64_t L = Fmt::kCols;
       const P* const wr = w + r * ldw + j;
-      const VR vj = v.from(j);
+      const TV* const vj = v + j * ldv;
       float* const orow = o + r * ldo;
       const float* const a = al != nullptr ? al + r : nullptr;
       const float* const sr = ws != nullptr ? ws + r : nullptr;
       int64_t d = 0;
-      for (; d + L * W <= dim; d += L * W) Fmt::template tile<R, W>(wr, ldw, vj.col(d), e - j, orow + d, ldo, a, sr);
+      for (; d + L * W <= dim; d += L * W) Fmt::template tile<R, W>(wr, ldw, vj + d, ldv, e - j, orow + d, ldo, a, sr);
       if constexpr (W > 4) {
-        for (; d + 4 * L <= dim; d += 4 * L) Fmt::template tile<R, 4>(wr, ldw, vj.col(d), e - j, orow + d, ldo, a, sr);
+        for (; d + 4 * L <= dim; d += 4 * L) Fmt::template tile<R, 4>(wr, ldw, vj + d, ldv, e - j, orow + d, ldo, a, sr);
       }
       if constexpr (W > 2) {
-        for (; d + 2 * L <= dim; d += 2 * L) Fmt::template tile<R, 2>(wr, ldw, vj.col(d), e - j, orow + d, ldo, a, sr);
+        for (; d + 2 * L <= dim; d += 2 * L) Fmt::template tile<R, 2>(wr, ldw, vj + d, ldv, e - j, orow + d, ldo, a, sr);
       }
-      for (; d < dim; d += L) Fmt::template tile<R, 1>(wr, ldw, vj.col(d), e - j, orow + d, ldo, a, sr);
+      for (; d < dim; d += L) Fmt::template tile<R, 1>(wr, ldw, vj + d, ldv, e - j, orow + d, ldo, a, sr);
     };
     int64_t r = 0;
     for (; r + 4 <= rows; r += 4) group(std::integral_constant<int, 4>{}, r);
     with_rows<3>(rows - r, [&](auto rc) { group(rc, r); });
   };
-  // Values across pages (PointerRows) go in one pass: their stream was asked
-  // for by the score passes (a spread).
-  if (!VR::kStrided || !Fmt::kChunks || ahead == nullptr || ahead->row_bytes == 0) {
+  if (!Fmt::kChunks || ahead == nullptr || ahead->row_bytes == 0) {
     pass(0, n, alpha);
     return true;
   }
   int64_t chunk = ahead->pv_chunk;
   if constexpr (std::is_same_v<P, c10::BFloat16>) chunk = std::max<int64_t>(2, chunk & ~int64_t(1));
   // alpha rescales O once, with the block's first chunk.
-  if constexpr (VR::kStrided) {
-    for_value_chunks(v.base, v.ld, n, *ahead, chunk, [&](int64_t j, int64_t e) { pass(j, e, j == 0 ? alpha : nullptr); });
-  }
+  for_value_chunks(v, ldv, n, *ahead, chunk, [&](int64_t j, int64_t e) { pass(j, e, j == 0 ? alpha : nullptr); });
   return true;
 }
 
@@ -1158,8 +1135,7 @@ void pv_gemm(const float* p, int64_t ldp, const TV* v, int64_t ldv, int64_t n, i
              Trickle& pf) {
   if constexpr (std::is_same_v<typename Fmt::P, float>) {
     for_gemm_tiles(rows, dim, pf, [&](auto wc, auto rc, int64_t r, int64_t d) {
-      pv_tile<decltype(rc)::value, decltype(wc)::value>(p + r * ldp, ldp, StridedRows<TV>{v + d, ldv}, n,
-                                                        o + r * ldo + d, ldo,
+      pv_tile<decltype(rc)::value, decltype(wc)::value>(p + r * ldp, ldp, v + d, ldv, n, o + r * ldo + d, ldo,
                                                         alpha + r);
     });
   } else {
@@ -1306,57 +1282,55 @@ inline void start_task(const Plan& plan, const Task& t, Scratch& sc) {
 // S = Q K^T for the task's rows [ra, rb) over n keys read in place
 // (Plan::keys_in_place()): the integer loops (when the task's queries were rounded
 // exactly: sc.q16_ok) or the bf16 pair loops where they apply, else the
-// float ones. KR: StridedRows or PointerRows of the cache's type.
-template <typename T, typename KR>
-inline void score_in_place(const Plan& plan, Scratch& sc, int64_t ra, int64_t rb, KR k, int64_t n,
-                           const Ahead* ahead, int64_t col) {
-  using TKV = typename KR::Elem;
+// float ones.
+template <typename T, typename TKV>
+inline void score_in_place(const Plan& plan, Scratch& sc, int64_t ra, int64_t rb, const TKV* k,
+                           int64_t ldk, int64_t n, const Ahead* ahead, int64_t col) {
   float* const S = sc.s.data() + ra * kBlock + col;
   if constexpr (kBf16Pairs<T, TKV>) {
     if (plan.scores == Loops::kBf16Pairs) {
-      qk_block<Bf16Scores<typename Vec::Bf16>>(sc.qh.data() + ra * plan.dim, plan.dim, nullptr, k, plan.dim,
-                                               rb - ra, n, S, kBlock, ahead, plan.qscale);
+      qk_block<Bf16Scores<typename Vec::Bf16>>(sc.qh.data() + ra * plan.dim, plan.dim, nullptr, k, ldk,
+                                               plan.dim, rb - ra, n, S, kBlock, ahead, plan.qscale);
       return;
     }
   }
   if constexpr (kI8Dot<TKV>) {
     if (plan.scores == Loops::kInt16 && sc.q16_ok) {
       qk_block<Int16Scores<typename Vec::I8>>(sc.q16.data() + ra * plan.dim, plan.dim, sc.qs.data() + ra, k,
-                                              plan.dim, rb - ra, n, S, kBlock, ahead);
+                                              ldk, plan.dim, rb - ra, n, S, kBlock, ahead);
       return;
     }
   }
-  qk_block<FloatScores>(sc.q.data() + ra * plan.dim_pad, plan.dim_pad, nullptr, k, plan.dim, rb - ra, n, S,
-                        kBlock, ahead);
+  qk_block<FloatScores>(sc.q.data() + ra * plan.dim_pad, plan.dim_pad, nullptr, k, ldk, plan.dim, rb - ra, n,
+                        S, kBlock, ahead);
 }
 
 // O = alpha O + P V for the task's rows [ra, rb) over n values read in place
 // (Plan::values_in_place()), the weights of block columns [col, col + n): the bf16 pair
 // loops or the integer loops (when the block's weights are finite) where
 // they apply, else the float ones. alpha: the rows' rescale (sc.alpha + ra
-// for a block's first run; nullptr, none, for the others). VR: StridedRows
-// or PointerRows of the cache's type.
-template <typename T, typename VR>
-inline void weigh_in_place(const Plan& plan, Scratch& sc, int64_t ra, int64_t rb, VR v, int64_t n,
-                           const Ahead* ahead, int64_t col, const float* alpha) {
-  using TKV = typename VR::Elem;
+// for a block's first run; nullptr, none, for the others).
+template <typename T, typename TKV>
+inline void weigh_in_place(const Plan& plan, Scratch& sc, int64_t ra, int64_t rb, const TKV* v,
+                           int64_t ldv, int64_t n, const Ahead* ahead, int64_t col,
+                           const float* alpha) {
   const float* const P = sc.s.data() + ra * kBlock + col;
   float* const O = sc.o.data() + ra * plan.dim_pad;
   if constexpr (kBf16Pairs<T, TKV>) {
     if (plan.weights == Loops::kBf16Pairs) {
-      pv_block<Bf16Weights<typename Vec::Bf16>>(P, kBlock, v, n, O, plan.dim_pad, alpha, rb - ra, plan.dim, ahead,
-                                                sc.pb.data() + ra * kBlock);
+      pv_block<Bf16Weights<typename Vec::Bf16>>(P, kBlock, v, ldv, n, O, plan.dim_pad, alpha, rb - ra,
+                                                plan.dim, ahead, sc.pb.data() + ra * kBlock);
       return;
     }
   }
   if constexpr (kI8Dot<TKV>) {
     if (plan.weights == Loops::kInt16 &&
-        pv_block<Int16Weights<typename Vec::I8>>(P, kBlock, v, n, O, plan.dim_pad, alpha, rb - ra, plan.dim, ahead,
-                                                 sc.wq.data(), sc.ws.data())) {
+        pv_block<Int16Weights<typename Vec::I8>>(P, kBlock, v, ldv, n, O, plan.dim_pad, alpha, rb - ra,
+                                                 plan.dim, ahead, sc.wq.data(), sc.ws.data())) {
       return;
     }
   }
-  pv_block<FloatWeights>(P, kBlock, v, n, O, plan.dim_pad, alpha, rb - ra, plan.dim, ahead);
+  pv_block<FloatWeights>(P, kBlock, v, ldv, n, O, plan.dim_pad, alpha, rb - ra, plan.dim, ahead);
 }
 
 // The online softmax of a block's scores for the task's rows [ra, rb)
@@ -1526,22 +1500,6 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
   // The float and bf16 score loops take the spread form below; the integer
   // loops ask for the next rows in bursts between their tiles (kBurst).
   const bool spread = whole_slots && (plan.scores == Loops::kFloat || plan.scores == Loops::kBf16Pairs);
-  // Pieces cross pages where the pages are smaller than a piece (16-slot
-  // pages of bf16 at 3 KV heads of head_dim 64): the micro-kernels read a
-  // piece's rows by their addresses (PointerRows, filled once a block), one
-  // call a piece and head as over a contiguous cache, and the spread asks
-  // for the next piece's slots page by page. Calls of one page each had
-  // cost bench_paged's bf16 decode over 16-slot pages 1.2-1.25x contiguous
-  // against 1.08x over 32-slot pages (each weight call reloads and stores
-  // its output rows); 1.09-1.13x now. Quantized caches keep their runs
-  // (their scales go run by run), as do pages of a size that is not a
-  // power of two.
-  const bool cross_pages = !kQuantized && spread && plan.keys_in_place() && plan.values_in_place() &&
-                           K.paged() && V.paged() && K.block_size < piece;
-  const TKV* kptr[kBlock];  // cross_pages: the block's slot addresses
-  const TKV* vptr[kBlock];
-  const PagedBytes k_pages = cross_pages ? K.paged_bytes() : PagedBytes{};
-  const PagedBytes v_pages = cross_pages ? V.paged_bytes() : PagedBytes{};
   auto run_ahead = [&](int64_t h, int64_t j, int64_t je, int64_t c1, int64_t cend, bool scores = true) {
     Ahead a;
     if (!(plan.keys_in_place() && plan.values_in_place())) return a;
@@ -1554,18 +1512,12 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
       // traffic runs beside all heads' work, not in bursts during the first
       // head's; the weight passes find the values in L2.
       if (!scores || next < 0) return a;
-      // Across pages: the next piece, wherever its pages lie (Ahead::kp).
-      const int64_t m = std::min({piece, stop - next, cross_pages ? piece : K.run(next)});
+      const int64_t m = std::min({piece, stop - next, K.run(next)});
       const int64_t s0 = next + h * m / t.heads, s1 = next + (h + 1) * m / t.heads;
       if (s0 >= s1) return a;
       a = slot_streams;
       a.k = reinterpret_cast<const char*>(K.at(s0));
       a.v = reinterpret_cast<const char*>(V.at(s0));
-      if (cross_pages) {
-        a.kp = &k_pages;
-        a.vp = &v_pages;
-        a.first = s0;
-      }
       a.spread = s1 - s0;
       return a;
     }
@@ -1695,50 +1647,23 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
     auto head_rows = [&](int64_t h) {
       return std::pair<int64_t, int64_t>{h * rows + ta * G, h * rows + tb * G};
     };
-    // f(a, e) for the pieces [a, e) of [c0, c1): at most `piece` slots, cut
-    // at page ends unless they cross pages. Inlined, as are f and rows_at:
-    // outlined, they read every captured value through memory once a piece
-    // (fp32 decode over grouped tasks ran 5-10% slower).
-    auto pieces = [&](auto&& f) __attribute__((always_inline)) {
-      for (int64_t j = c0, je; j < c1; j = je) {
-        je = cross_pages ? c1 : run_end(j);
-        for (int64_t a = j, e; a < je; a = e) {
-          e = std::min(je, a + piece);
+    auto pieces = [&](auto&& f) {
+      each_run([&](int64_t j, int64_t len) {
+        for (int64_t a = j, e; a < j + len; a = e) {
+          e = std::min(j + len, a + piece);
           f(a, e);
         }
-      }
-    };
-    // f(rows): X's slots from a, off elements into each: the piece across
-    // pages (xp: the block's slot addresses), or one run.
-    auto rows_at = [&](const SlotRows<TKV>& X, const TKV* const* xp, int64_t a, int64_t off, auto&& f)
-                       __attribute__((always_inline)) {
-      if constexpr (!kQuantized) {
-        if (cross_pages) {
-          f(PointerRows<TKV>{xp + (a - c0), off});
-          return;
-        }
-      }
-      f(StridedRows<TKV>{X.at(a) + off, X.ld});
-    };
-    if (cross_pages) {
-      each_run([&](int64_t j, int64_t len) {
-        const TKV* const kr = K.at(j);
-        const TKV* const vr = V.at(j);
-        for (int64_t i = 0; i < len; ++i) {
-          kptr[j - c0 + i] = kr + i * K.ld;
-          vptr[j - c0 + i] = vr + i * V.ld;
-        }
       });
-    }
+    };
     // Scores: read in place, or widened into the block's scratch rows and
     // scored once.
-    pieces([&](int64_t a, int64_t e) __attribute__((always_inline)) {
+    pieces([&](int64_t a, int64_t e) {
       for (int64_t h = 0; h < t.heads; ++h) {
         const auto [ra, rb] = head_rows(h);
         if (plan.keys_in_place()) {
           const Ahead ahead = run_ahead(h, a, e, c1, cend);
-          rows_at(K, kptr, a, h * p.k_stride[1],
-                  [&](auto kr) { score_in_place<T>(plan, sc, ra, rb, kr, e - a, &ahead, a - c0); });
+          score_in_place<T>(plan, sc, ra, rb, K.at(a) + h * p.k_stride[1], K.ld, e - a,
+                            &ahead, a - c0);
           if constexpr (kQuantized) {
             scale_columns(S + (a - c0), ra, rb, e - a, KS.at(a) + h * p.ks_stride[1], KS.ld);
           }
@@ -1751,15 +1676,14 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
     for (int64_t h = 0; h < t.heads; ++h) {
       const auto [ra, rb] = head_rows(h);
       if (!plan.keys_in_place()) {
-        qk_block<FloatScores>(Q + ra * Dp, Dp, nullptr,
-                              StridedRows<float>{sc.kb.data() + h * kBlock * Dp, Dp}, Dp, rb - ra, n,
-                              S + ra * kBlock, kBlock, nullptr);
+        qk_block<FloatScores>(Q + ra * Dp, Dp, nullptr, static_cast<const float*>(sc.kb.data()) + h * kBlock * Dp,
+                              Dp, Dp, rb - ra, n, S + ra * kBlock, kBlock, nullptr);
         if constexpr (kQuantized) scale_runs(KS, p.ks_stride[1], h, ra, rb);
       }
       softmax_rows(plan, sc, h * rows, ra, rb, c0, c1, n8);
     }
     // Weights, the same way; a head's first piece rescales its output.
-    pieces([&](int64_t a, int64_t e) __attribute__((always_inline)) {
+    pieces([&](int64_t a, int64_t e) {
       for (int64_t h = 0; h < t.heads; ++h) {
         const auto [ra, rb] = head_rows(h);
         if constexpr (kQuantized) {
@@ -1767,9 +1691,8 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
         }
         if (plan.values_in_place()) {
           const Ahead ahead = run_ahead(h, a, e, c1, cend, false);
-          rows_at(V, vptr, a, h * p.v_stride[1], [&](auto vr) {
-            weigh_in_place<T>(plan, sc, ra, rb, vr, e - a, &ahead, a - c0, a == c0 ? alpha + ra : nullptr);
-          });
+          weigh_in_place<T>(plan, sc, ra, rb, V.at(a) + h * p.v_stride[1], V.ld, e - a,
+                            &ahead, a - c0, a == c0 ? alpha + ra : nullptr);
         } else {
           pack_rows(V.at(a) + h * p.v_stride[1], V.ld, p.v_stride[3], e - a, D, Dp,
                     sc.vb.data() + (h * kBlock + a - c0) * Dp);
@@ -1779,8 +1702,8 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
     if (!plan.values_in_place()) {
       for (int64_t h = 0; h < t.heads; ++h) {
         const auto [ra, rb] = head_rows(h);
-        pv_block<FloatWeights>(S + ra * kBlock, kBlock, StridedRows<float>{sc.vb.data() + h * kBlock * Dp, Dp}, n,
-                               O + ra * Dp, Dp, alpha + ra, rb - ra, Dp);
+        pv_block<FloatWeights>(S + ra * kBlock, kBlock, static_cast<const float*>(sc.vb.data()) + h * kBlock * Dp,
+                               Dp, n, O + ra * Dp, Dp, alpha + ra, rb - ra, Dp);
       }
     }
   }

@@ -120,47 +120,6 @@ struct Plan {
   static constexpr int64_t kGroupedRows = 64;
 };
 
-// The rows a micro-kernel reads (keys, values): row j of a call is
-// row(j). StridedRows: rows ld elements apart (a contiguous cache, one page,
-// packed scratch). PointerRows: each row's address looked up (ptr[j] + off),
-// so one call's rows may cross pages (a piece of a block over 16-slot pages
-// reads as one run; the kernel fills ptr once a block). from(j): the rows
-// from j on; col(d): d elements into every row. The tiles load row(c) + d,
-// which for StridedRows is the base + c * ld + d they always loaded.
-template <typename E>
-struct StridedRows {
-  using Elem = E;
-  static constexpr bool kStrided = true;
-  const E* base;
-  int64_t ld;
-  const E* row(int64_t j) const { return base + j * ld; }
-  StridedRows from(int64_t j) const { return {base + j * ld, ld}; }
-  StridedRows col(int64_t d) const { return {base + d, ld}; }
-};
-
-template <typename E>
-struct PointerRows {
-  using Elem = E;
-  static constexpr bool kStrided = false;
-  const E* const* ptr;
-  int64_t off;
-  const E* row(int64_t j) const { return ptr[j] + off; }
-  PointerRows from(int64_t j) const { return {ptr + j, off}; }
-  PointerRows col(int64_t d) const { return {ptr, off + d}; }
-};
-
-// The slots of a block table's pages of 2^shift slots, wherever their
-// pages lie, addressed in bytes (the prefetches of a piece across pages).
-struct PagedBytes {
-  const char* base = nullptr;  // page 0's slot 0 (of the task's first KV head)
-  const int32_t* table = nullptr;
-  int64_t table_stride = 0, page_stride = 0, ld = 0;  // bytes between pages, between slots
-  int shift = 0;
-  const char* row(int64_t s) const {
-    return base + int64_t(table[(s >> shift) * table_stride]) * page_stride + (s & ((int64_t(1) << shift) - 1)) * ld;
-  }
-};
-
 // Where the slots of one (row, KV head) of a cache buffer (keys, values or
 // their scales) live: the kernel asks for the address of slot j and for how
 // many slots from j on are consecutive rows `ld` elements apart, the most a
@@ -196,13 +155,6 @@ struct SlotRows {
   int64_t run(int64_t j) const {
     if (sel != nullptr) return sel_run[j];
     return table == nullptr ? std::numeric_limits<int64_t>::max() : block_size - offset_of(j);
-  }
-  // Whether the slots are pages of a power-of-two size (paged_bytes).
-  bool paged() const { return table != nullptr && sel == nullptr && shift >= 0; }
-  // The slots across pages, in bytes.
-  PagedBytes paged_bytes() const {
-    const int64_t e = int64_t(sizeof(E));
-    return {reinterpret_cast<const char*>(base), table, table_stride, page_stride * e, ld * e, shift};
   }
   // Reads slots through a ring task's selection (see sel).
   SlotRows& select(const int64_t* s, const int64_t* runs) {
