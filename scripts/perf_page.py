@@ -369,6 +369,12 @@ def batch_section(doc: dict, outdir: str, rel: str) -> List[str]:
 
 # --------------------------------------------------------------------------- page
 
+# The arguments of a run's command line shown beside --threads, by kind of benchmark.
+AXES = {"generate_batch": ("requests", "dtype", "model", "prompt_min", "prompt_max", "new_tokens",
+                           "max_batch_tokens", "attn"),
+        "paged": ("dtypes", "block_sizes", "batch", "q_len", "huge_pages", "rounds")}
+
+
 def machine_lines(docs: Dict[str, dict]) -> List[str]:
     env = next(iter(docs.values()))["env"]
     build = env.get("kvcache_build") or {}
@@ -391,19 +397,12 @@ def machine_lines(docs: Dict[str, dict]) -> List[str]:
             flags.append("--threads " + " ".join(map(str, a["threads"])))
         if a.get("filled"):
             flags.append("--filled " + " ".join(map(str, a["filled"])))
-        if kind == "generate_batch":  # every axis it was run with (paths left out)
-            for k in ("requests", "dtype", "model", "prompt_min", "prompt_max", "new_tokens", "max_batch_tokens",
-                      "attn"):
-                v = a.get(k)
-                if v is not None:
-                    shown = " ".join(map(str, v)) if isinstance(v, list) else str(v)
-                    flags.append(f"--{k.replace('_', '-')} {shown}")
-        if kind == "paged":
-            for k in ("dtypes", "block_sizes", "batch", "q_len", "huge_pages", "rounds"):
-                v = a.get(k)
-                if v is not None:
-                    shown = " ".join(map(str, v)) if isinstance(v, list) else str(v)
-                    flags.append(f"--{k.replace('_', '-')} {shown}")
+        # Every axis it was run with (paths left out).
+        for k in AXES.get(kind, ()):
+            v = a.get(k)
+            if v is not None:
+                shown = " ".join(map(str, v)) if isinstance(v, list) else str(v)
+                flags.append(f"--{k.replace('_', '-')} {shown}")
         date = doc["env"].get("date", "")
         lines.append(f"python benchmarks/{script} {' '.join(flags)} --json {data_name(doc)}.json"
                      + (f"   # {date}" if date else ""))

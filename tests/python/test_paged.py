@@ -210,8 +210,8 @@ def test_split_rows_with_threads():
 @pytest.mark.parametrize("opts", [{}, dict(window=45), dict(window=21, softcap=5.0)])
 @pytest.mark.parametrize("split", [False, True])
 def test_decode_pieces_across_pages(dtype, block_size, opts, split):
-    """Decode over pages smaller than the kernel's piece (SmolLM2's 9 / 3 heads, head_dim 64: the
-    micro-kernels read a piece's rows across pages by their addresses): lengths and windows that
+    """Decode over pages smaller than the kernel's piece of a grouped task (SmolLM2's 9 / 3 heads,
+    head_dim 64: every head's score and weight passes go page by page): lengths and windows that
     start and end mid-page, shuffled pages, rows split over tasks at block boundaries, against the
     float64 reference."""
     from kv_testing import forced_split
