@@ -88,6 +88,42 @@ struct Ahead {
   int64_t spread = 0;
 };
 
+// A spread of rows by address (qk_piece_bf16): row r of the spread starts
+// at krows[r] (keys) and vrows[r] (values), not at k + r * ldk.
+struct AheadRows : Ahead {
+  const char* const* krows = nullptr;
+  const char* const* vrows = nullptr;
+};
+
+// The rows a micro-kernel reads: a pointer and a stride, or PointerRows.
+// row_at: row j's address; rows_from: the rows from j on; cols_from: d
+// elements into every row. For a pointer they are the k + j * ld and
+// k + d the loops always computed, so those loops compile as they did.
+template <typename E>
+__attribute__((always_inline)) inline const E* row_at(const E* k, int64_t ld, int64_t j) {
+  return k + j * ld;
+}
+template <typename E>
+__attribute__((always_inline)) inline const E* row_at(const PointerRows<E>& k, int64_t /*ld*/, int64_t j) {
+  return k.ptr[j] + k.off;
+}
+template <typename E>
+__attribute__((always_inline)) inline const E* rows_from(const E* k, int64_t ld, int64_t j) {
+  return k + j * ld;
+}
+template <typename E>
+__attribute__((always_inline)) inline PointerRows<E> rows_from(const PointerRows<E>& k, int64_t /*ld*/, int64_t j) {
+  return {k.ptr + j, k.off};
+}
+template <typename E>
+__attribute__((always_inline)) inline const E* cols_from(const E* k, int64_t d) {
+  return k + d;
+}
+template <typename E>
+__attribute__((always_inline)) inline PointerRows<E> cols_from(const PointerRows<E>& k, int64_t d) {
+  return {k.ptr, k.off + d};
+}
+
 // One cache line asked for, into L2 (see kStreamAhead). On x86 as an asm statement the compiler must
 // keep: written as __builtin_prefetch calls, the stream loops below came out
 // of GCC 12 with no prefetch at all (no prefetcht0 in the library) and ran
@@ -112,6 +148,14 @@ inline void prefetch_rows(const char* base, int64_t ld, int64_t j0, int64_t j1, 
   }
   for (int64_t j = j0; j < j1; ++j) {
     for (int64_t off = 0; off < bytes; off += 64) prefetch_line(base + j * ld + off);
+  }
+}
+
+// Rows [r0, r1) of a spread by address (AheadRows).
+__attribute__((always_inline)) inline void prefetch_spread(const AheadRows& a, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    prefetch_rows(a.krows[r], 0, 0, 1, a.row_bytes);
+    prefetch_rows(a.vrows[r], 0, 0, 1, a.row_bytes);
   }
 }
 
@@ -211,8 +255,8 @@ class Trickle {
 // half the multiply instructions of qk_tile on the widened keys, and none
 // of its conversions. The products are exact in float32, as the widened
 // ones are; only the scaling moves after the sum. dim: a multiple of 32.
-template <typename Dot, int R, int C>
-inline void qk_tile_bf16(const c10::BFloat16* q, int64_t ldq, const c10::BFloat16* k, int64_t ldk,
+template <typename Dot, int R, int C, typename KR>
+inline void qk_tile_bf16(const c10::BFloat16* q, int64_t ldq, KR k, int64_t ldk,
                          int64_t dim, float qscale, float* s, int64_t lds) {
   using V = typename Vec::V;
   using W = typename Dot::W;
@@ -222,7 +266,7 @@ inline void qk_tile_bf16(const c10::BFloat16* q, int64_t ldq, const c10::BFloat1
   for (int64_t d = 0; d < dim; d += 2 * Vec::kLanes) {
     W kv[C];
 #pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) kv[c] = Dot::load_row(k + c * ldk + d);
+    for (int c = 0; c < C; ++c) kv[c] = Dot::load_row(row_at(k, ldk, c) + d);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       W qv = Dot::load_row(q + r * ldq + d);
@@ -471,8 +515,8 @@ inline void for_value_chunks(const TV* v, int64_t ldv, int64_t n, const Ahead& a
 // O[r, :32 W] = alpha[r] O[r, :32 W] + sum_j pb[r, j] v[j, :32 W] for R rows
 // over n slots (n odd: the last slot pairs with 0; pb[r, n] is not read);
 // alpha nullptr: no rescale (a later chunk of a block).
-template <typename Dot, int R, int W>
-inline void pv_tile_bf16(const c10::BFloat16* pb, int64_t ldp, const c10::BFloat16* v, int64_t ldv,
+template <typename Dot, int R, int W, typename VR>
+inline void pv_tile_bf16(const c10::BFloat16* pb, int64_t ldp, VR v, int64_t ldv,
                          int64_t n, float* o, int64_t ldo, const float* alpha) {
   using V = typename Vec::V;
   using PW = typename Dot::W;
@@ -510,7 +554,7 @@ inline void pv_tile_bf16(const c10::BFloat16* pb, int64_t ldp, const c10::BFloat
 #pragma GCC unroll 8
     for (int w = 0; w < W; ++w) {
       const int64_t d = 2 * Vec::kLanes * w;
-      Dot::pair_rows(Dot::load_row(v + j * ldv + d), Dot::load_row(v + (j + 1) * ldv + d), lo[w], hi[w]);
+      Dot::pair_rows(Dot::load_row(row_at(v, ldv, j) + d), Dot::load_row(row_at(v, ldv, j + 1) + d), lo[w], hi[w]);
     }
     step(lo, hi, [&](int r) { return Dot::set1(pb + r * ldp + j); });
   }
@@ -518,7 +562,7 @@ inline void pv_tile_bf16(const c10::BFloat16* pb, int64_t ldp, const c10::BFloat
     PW lo[W], hi[W];
 #pragma GCC unroll 8
     for (int w = 0; w < W; ++w) {
-      Dot::pair_rows(Dot::load_row(v + j * ldv + 2 * Vec::kLanes * w), Dot::zero(), lo[w], hi[w]);
+      Dot::pair_rows(Dot::load_row(row_at(v, ldv, j) + 2 * Vec::kLanes * w), Dot::zero(), lo[w], hi[w]);
     }
     step(lo, hi, [&](int r) { return Dot::set1_lo(pb + r * ldp + j); });
   }
@@ -830,8 +874,8 @@ struct Bf16Scores {
   static constexpr bool kBurst = false, kRowScales = false, kOutline = false;
   template <int R>
   static constexpr int cols() { return FloatScores::cols<R>(); }
-  template <int R, int C>
-  static void tile(const Q* q, int64_t ldq, const c10::BFloat16* k, int64_t ldk, int64_t dim, float qscale,
+  template <int R, int C, typename KR>
+  static void tile(const Q* q, int64_t ldq, KR k, int64_t ldk, int64_t dim, float qscale,
                    const float* /*qsv*/, float* s, int64_t lds) {
     qk_tile_bf16<Dot, R, C>(q, ldq, k, ldk, dim, qscale, s, lds);
   }
@@ -975,8 +1019,8 @@ struct Bf16Weights {
   static constexpr bool kChunks = true;
   template <int R>
   static constexpr int width() { return R <= 2 ? 4 : 2; }
-  template <int R, int W>
-  static void tile(const P* p, int64_t ldp, const c10::BFloat16* v, int64_t ldv, int64_t n, float* o,
+  template <int R, int W, typename VR>
+  static void tile(const P* p, int64_t ldp, VR v, int64_t ldv, int64_t n, float* o,
                    int64_t ldo, const float* alpha, const float* /*ws*/) {
     pv_tile_bf16<Dot, R, W>(p, ldp, v, ldv, n, o, ldo, alpha);
   }
@@ -1088,6 +1132,65 @@ bool pv_block(const float* p, int64_t ldp, const TV* v, int64_t ldv, int64_t n, 
   // alpha rescales O once, with the block's first chunk.
   for_value_chunks(v, ldv, n, *ahead, chunk, [&](int64_t j, int64_t e) { pass(j, e, j == 0 ? alpha : nullptr); });
   return true;
+}
+
+// The bf16 pair loops over a piece of a grouped block by its rows'
+// addresses (grouped_block_bf16; k, v: PointerRows, so the rows may cross
+// pages): qk_block's and pv_block's tiles (Bf16Scores, Bf16Weights).
+// The scores ask for the spread's rows (the next piece, AheadRows) beside
+// their tiles; the weights go in one pass (the spread brought them).
+// Separate from qk_block and pv_block, whose instantiations for the other
+// loops (fp32 grouped decode above all) compile as they did: carried
+// through those, an accessor changed GCC's code for them by 5-10%.
+template <typename D>
+__attribute__((noinline)) void qk_piece_bf16(const c10::BFloat16* q, int64_t ldq,
+                                             PointerRows<c10::BFloat16> k, int64_t dim, int64_t rows,
+                                             int64_t n, float* s, int64_t lds, const AheadRows& ahead,
+                                             float qscale) {
+  auto group = [&](auto rc, int64_t r) __attribute__((always_inline)) {
+    constexpr int R = decltype(rc)::value;
+    constexpr int C = Bf16Scores<D>::template cols<R>();
+    const bool ask = r == 0 && ahead.spread > 0;
+    int64_t c = 0;
+    for (; c + C <= n; c += C) {
+      if (ask) prefetch_spread(ahead, c * ahead.spread / n, (c + C) * ahead.spread / n);
+      qk_tile_bf16<D, R, C>(q + r * ldq, ldq, rows_from(k, 0, c), 0, dim, qscale, s + r * lds + c, lds);
+    }
+    if (ask) prefetch_spread(ahead, c * ahead.spread / n, ahead.spread);
+    for (; c < n; ++c) {
+      qk_tile_bf16<D, R, 1>(q + r * ldq, ldq, rows_from(k, 0, c), 0, dim, qscale, s + r * lds + c, lds);
+    }
+  };
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) group(std::integral_constant<int, 4>{}, r);
+  with_rows<3>(rows - r, [&](auto rc) { group(rc, r); });
+}
+
+template <typename D>
+__attribute__((noinline)) void pv_piece_bf16(const float* p, int64_t ldp, PointerRows<c10::BFloat16> v,
+                                             int64_t n, float* o, int64_t ldo, const float* alpha,
+                                             int64_t rows, int64_t dim, c10::BFloat16* pw) {
+  // The weights rounded to bf16 as pv_block rounds them.
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < n; j += Vec::kLanes) D::round16(p + r * ldp + j, pw + r * kBlock + j);
+  }
+  auto group = [&](auto rc, int64_t r) __attribute__((always_inline)) {
+    constexpr int R = decltype(rc)::value;
+    constexpr int W = Bf16Weights<D>::template width<R>();
+    constexpr int64_t L = Bf16Weights<D>::kCols;
+    const c10::BFloat16* const wr = pw + r * kBlock;
+    float* const orow = o + r * ldo;
+    const float* const a = alpha != nullptr ? alpha + r : nullptr;
+    int64_t d = 0;
+    for (; d + L * W <= dim; d += L * W) pv_tile_bf16<D, R, W>(wr, kBlock, cols_from(v, d), 0, n, orow + d, ldo, a);
+    if constexpr (W > 2) {
+      for (; d + 2 * L <= dim; d += 2 * L) pv_tile_bf16<D, R, 2>(wr, kBlock, cols_from(v, d), 0, n, orow + d, ldo, a);
+    }
+    for (; d < dim; d += L) pv_tile_bf16<D, R, 1>(wr, kBlock, cols_from(v, d), 0, n, orow + d, ldo, a);
+  };
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) group(std::integral_constant<int, 4>{}, r);
+  with_rows<3>(rows - r, [&](auto rc) { group(rc, r); });
 }
 
 // A chunk block's scores in GEMM form over its keys packed once (Fmt
@@ -1349,6 +1452,77 @@ inline void softmax_rows(const Plan& plan, Scratch& sc, int64_t h0, int64_t ra, 
     const int64_t a = std::clamp(sc.lo[ti], c0, c1) - c0;
     const int64_t e = std::clamp(sc.hi[ti], c0, c1) - c0;
     softmax_row(sc.s.data() + r * kBlock, a, e, n8, plan.cap, sc.m[r], sc.l[r], sc.alpha[r]);
+  }
+}
+
+// A decode block [c0, c1) of a grouped task (every KV head of a sequence,
+// slots holding them side by side: pages, token-major rows) on the bf16
+// pair loops: the block's slot addresses once (head 0's rows of the task;
+// head h is h head strides further), then each piece of `piece` slots in
+// one call per head (qk_piece_bf16, pv_piece_bf16) wherever its pages lie,
+// each head's score pass asking for its share of the next piece's whole
+// slots (this block's next piece, else the next block's first: [next,
+// next_end), next < 0 none). Rows of head h: [h * rows + ta * group,
+// h * rows + tb * group). Out of run_task (as qk_block is), so that
+// run_task's own code for the other paths stays as it was: inlined there,
+// bf16 decode over 64-slot pages ran 5-8% slower.
+template <typename TKV>
+__attribute__((noinline)) void grouped_block_bf16(const Plan& plan, Scratch& sc, const SlotRows<TKV>& K,
+                                                  const SlotRows<TKV>& V, int64_t heads, int64_t rows, int64_t ta,
+                                                  int64_t tb, int64_t c0, int64_t c1, int64_t n8, int64_t piece,
+                                                  const Ahead& slot_streams, int64_t next, int64_t next_end) {
+  using Bf16 = typename Vec::Bf16;
+  const AttendParams& p = *plan.p;
+  const int64_t G = plan.group, D = plan.dim, Dp = plan.dim_pad;
+  float* const S = sc.s.data();
+  const TKV* kptr[kBlock];
+  const TKV* vptr[kBlock];
+  for (int64_t j = c0, je; j < c1; j = je) {
+    je = j + std::min(c1 - j, K.run(j));
+    const TKV* const kr = K.at(j);
+    const TKV* const vr = V.at(j);
+    for (int64_t i = 0; i < je - j; ++i) {
+      kptr[j - c0 + i] = kr + i * K.ld;
+      vptr[j - c0 + i] = vr + i * V.ld;
+    }
+  }
+  const char* krows[kBlock];
+  const char* vrows[kBlock];
+  for (int64_t a = c0, e; a < c1; a = e) {
+    e = std::min(c1, a + piece);
+    const int64_t s0 = e < c1 ? e : next;
+    const int64_t m = s0 < 0 ? 0 : std::min(piece, (e < c1 ? c1 : next_end) - s0);
+    for (int64_t i = 0; i < m; ++i) {
+      krows[i] = reinterpret_cast<const char*>(K.at(s0 + i));
+      vrows[i] = reinterpret_cast<const char*>(V.at(s0 + i));
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t ra = h * rows + ta * G, rb = h * rows + tb * G;
+      AheadRows ahead;
+      const int64_t r0 = h * m / heads, r1 = (h + 1) * m / heads;
+      if (r0 < r1) {
+        static_cast<Ahead&>(ahead) = slot_streams;
+        ahead.krows = krows + r0;
+        ahead.vrows = vrows + r0;
+        ahead.spread = r1 - r0;
+      }
+      qk_piece_bf16<Bf16>(sc.qh.data() + ra * D, D, PointerRows<TKV>{kptr + (a - c0), h * p.k_stride[1]}, D,
+                          rb - ra, e - a, S + ra * kBlock + (a - c0), kBlock, ahead, plan.qscale);
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    softmax_rows(plan, sc, h * rows, h * rows + ta * G, h * rows + tb * G, c0, c1, n8);
+  }
+  // The weights in one pass a piece (the spread brought their values); a
+  // head's first piece rescales its output.
+  for (int64_t a = c0, e; a < c1; a = e) {
+    e = std::min(c1, a + piece);
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t ra = h * rows + ta * G, rb = h * rows + tb * G;
+      pv_piece_bf16<Bf16>(S + ra * kBlock + (a - c0), kBlock, PointerRows<TKV>{vptr + (a - c0), h * p.v_stride[1]},
+                          e - a, sc.o.data() + ra * Dp, Dp, a == c0 ? sc.alpha.data() + ra : nullptr, rb - ra, D,
+                          sc.pb.data() + ra * kBlock);
+    }
   }
 }
 
@@ -1647,6 +1821,25 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
     auto head_rows = [&](int64_t h) {
       return std::pair<int64_t, int64_t>{h * rows + ta * G, h * rows + tb * G};
     };
+    // A grouped block on the bf16 pair loops goes by its slots' addresses
+    // (grouped_block_bf16): a piece is one call per head wherever its
+    // pages lie. Cut at page ends (the per-run path below), bf16 decode
+    // over 16-slot pages had run 1.21-1.26x contiguous (32-slot pieces: a
+    // score and a weight call per head per page, each weight call
+    // reloading and storing its output rows); by address it runs 1.0-1.1x,
+    // and over 64- and 256-slot pages and token-major rows 5-12% faster
+    // than the per-run path too (bench_quickset-style A/B, Zen 4). The
+    // float loops (fp32; bf16 without AVX512-BF16; fp16) keep the per-run
+    // path: carried through their instantiations of run_task, a path like
+    // this one made fp32 grouped decode 5-10% slower (GCC's inlining
+    // decisions in run_task).
+    if constexpr (kBf16Pairs<T, TKV>) {
+      if (spread && plan.scores == Loops::kBf16Pairs && plan.weights == Loops::kBf16Pairs) {
+        grouped_block_bf16(plan, sc, K, V, t.heads, rows, ta, tb, c0, c1, n8, piece, slot_streams,
+                           cend < task_hi ? cend : -1, cend < task_hi ? block_end(cend) : -1);
+        continue;
+      }
+    }
     auto pieces = [&](auto&& f) {
       each_run([&](int64_t j, int64_t len) {
         for (int64_t a = j, e; a < j + len; a = e) {

@@ -120,6 +120,17 @@ struct Plan {
   static constexpr int64_t kGroupedRows = 64;
 };
 
+// The rows of one call of a micro-kernel given by their addresses: row j
+// is ptr[j] + off, so the call's rows may cross pages (the bf16 pair loops'
+// grouped decode pieces; grouped_block_bf16 fills ptr once a block).
+// The other form of rows is a pointer and a stride (row j at k + j * ldk),
+// what every loop reads otherwise.
+template <typename E>
+struct PointerRows {
+  const E* const* ptr;
+  int64_t off;
+};
+
 // Where the slots of one (row, KV head) of a cache buffer (keys, values or
 // their scales) live: the kernel asks for the address of slot j and for how
 // many slots from j on are consecutive rows `ld` elements apart, the most a
