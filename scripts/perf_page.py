@@ -372,7 +372,7 @@ def batch_section(doc: dict, outdir: str, rel: str) -> List[str]:
 # The arguments of a run's command line shown beside --threads, by kind of benchmark.
 AXES = {"generate_batch": ("requests", "dtype", "model", "prompt_min", "prompt_max", "new_tokens",
                            "max_batch_tokens", "attn"),
-        "paged": ("dtypes", "block_sizes", "batch", "q_len", "huge_pages", "rounds")}
+        "paged": ("dtypes", "block_sizes", "batch", "q_len", "huge_pages", "rounds", "min_time")}
 
 
 def machine_lines(docs: Dict[str, dict]) -> List[str]:
