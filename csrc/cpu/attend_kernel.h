@@ -96,9 +96,9 @@ struct AheadRows : Ahead {
 };
 
 // The rows a micro-kernel reads: a pointer and a stride, or PointerRows.
-// row_at: row j's address; rows_from: the rows from j on; cols_from: d
-// elements into every row. For a pointer they are the k + j * ld and
-// k + d the loops always computed, so those loops compile as they did.
+// row_at: row j's address (for a pointer the k + j * ld the tiles always
+// computed, so their strided instantiations compile as they did);
+// rows_from: the rows from j on; cols_from: d elements into every row.
 template <typename E>
 __attribute__((always_inline)) inline const E* row_at(const E* k, int64_t ld, int64_t j) {
   return k + j * ld;
@@ -108,16 +108,8 @@ __attribute__((always_inline)) inline const E* row_at(const PointerRows<E>& k, i
   return k.ptr[j] + k.off;
 }
 template <typename E>
-__attribute__((always_inline)) inline const E* rows_from(const E* k, int64_t ld, int64_t j) {
-  return k + j * ld;
-}
-template <typename E>
-__attribute__((always_inline)) inline PointerRows<E> rows_from(const PointerRows<E>& k, int64_t /*ld*/, int64_t j) {
+__attribute__((always_inline)) inline PointerRows<E> rows_from(const PointerRows<E>& k, int64_t j) {
   return {k.ptr + j, k.off};
-}
-template <typename E>
-__attribute__((always_inline)) inline const E* cols_from(const E* k, int64_t d) {
-  return k + d;
 }
 template <typename E>
 __attribute__((always_inline)) inline PointerRows<E> cols_from(const PointerRows<E>& k, int64_t d) {
@@ -1154,11 +1146,11 @@ __attribute__((noinline)) void qk_piece_bf16(const c10::BFloat16* q, int64_t ldq
     int64_t c = 0;
     for (; c + C <= n; c += C) {
       if (ask) prefetch_spread(ahead, c * ahead.spread / n, (c + C) * ahead.spread / n);
-      qk_tile_bf16<D, R, C>(q + r * ldq, ldq, rows_from(k, 0, c), 0, dim, qscale, s + r * lds + c, lds);
+      qk_tile_bf16<D, R, C>(q + r * ldq, ldq, rows_from(k, c), 0, dim, qscale, s + r * lds + c, lds);
     }
     if (ask) prefetch_spread(ahead, c * ahead.spread / n, ahead.spread);
     for (; c < n; ++c) {
-      qk_tile_bf16<D, R, 1>(q + r * ldq, ldq, rows_from(k, 0, c), 0, dim, qscale, s + r * lds + c, lds);
+      qk_tile_bf16<D, R, 1>(q + r * ldq, ldq, rows_from(k, c), 0, dim, qscale, s + r * lds + c, lds);
     }
   };
   int64_t r = 0;
