@@ -50,8 +50,11 @@ def test_matches_reference(shape, dtype):
     dict(kv_start=[290, 10], window=9, softcap=2.0),
 ], ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
 @pytest.mark.parametrize("seq", [1, 3])
-def test_options(opts, seq):
-    check(2, 9, 3, seq, 64, 300, [300, 140], torch.float32, kv_layout="transposed", **opts)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_options(opts, seq, dtype):
+    """Windows, softcaps and left padding on grouped tasks; bf16 on AVX512-BF16 reads each block
+    by its slots' addresses (grouped_block_bf16), fp32 run by run."""
+    check(2, 9, 3, seq, 64, 300, [300, 140], dtype, kv_layout="transposed", **opts)
 
 
 @pytest.mark.parametrize("seq", [1, 2])
