@@ -88,11 +88,14 @@ struct Ahead {
   int64_t spread = 0;
 };
 
-// A spread of rows by address (qk_piece_bf16): row r of the spread starts
-// at krows[r] (keys) and vrows[r] (values), not at k + r * ldk.
-struct AheadRows : Ahead {
-  const char* const* krows = nullptr;
-  const char* const* vrows = nullptr;
+// A spread by address (qk_piece_bf16): rows [0, n) of k and v to ask for
+// beside a score pass, `bytes` from each row's address (whole slots).
+template <typename E>
+struct SpreadRows {
+  const E* const* k = nullptr;
+  const E* const* v = nullptr;
+  int64_t n = 0;
+  int64_t bytes = 0;
 };
 
 // The rows a micro-kernel reads: a pointer and a stride, or PointerRows.
@@ -143,11 +146,12 @@ inline void prefetch_rows(const char* base, int64_t ld, int64_t j0, int64_t j1, 
   }
 }
 
-// Rows [r0, r1) of a spread by address (AheadRows).
-__attribute__((always_inline)) inline void prefetch_spread(const AheadRows& a, int64_t r0, int64_t r1) {
+// Rows [r0, r1) of a spread by address.
+template <typename E>
+__attribute__((always_inline)) inline void prefetch_spread(const SpreadRows<E>& a, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
-    prefetch_rows(a.krows[r], 0, 0, 1, a.row_bytes);
-    prefetch_rows(a.vrows[r], 0, 0, 1, a.row_bytes);
+    prefetch_rows(reinterpret_cast<const char*>(a.k[r]), 0, 0, 1, a.bytes);
+    prefetch_rows(reinterpret_cast<const char*>(a.v[r]), 0, 0, 1, a.bytes);
   }
 }
 
@@ -1129,7 +1133,7 @@ bool pv_block(const float* p, int64_t ldp, const TV* v, int64_t ldv, int64_t n, 
 // The bf16 pair loops over a piece of a grouped block by its rows'
 // addresses (grouped_block_bf16; k, v: PointerRows, so the rows may cross
 // pages): qk_block's and pv_block's tiles (Bf16Scores, Bf16Weights).
-// The scores ask for the spread's rows (the next piece, AheadRows) beside
+// The scores ask for the spread's rows (the next piece, SpreadRows) beside
 // their tiles; the weights go in one pass (the spread brought them).
 // Separate from qk_block and pv_block, whose instantiations for the other
 // loops (fp32 grouped decode above all) compile as they did: carried
@@ -1137,18 +1141,18 @@ bool pv_block(const float* p, int64_t ldp, const TV* v, int64_t ldv, int64_t n, 
 template <typename D>
 __attribute__((noinline)) void qk_piece_bf16(const c10::BFloat16* q, int64_t ldq,
                                              PointerRows<c10::BFloat16> k, int64_t dim, int64_t rows,
-                                             int64_t n, float* s, int64_t lds, const AheadRows& ahead,
+                                             int64_t n, float* s, int64_t lds, const SpreadRows<c10::BFloat16>& ahead,
                                              float qscale) {
   auto group = [&](auto rc, int64_t r) __attribute__((always_inline)) {
     constexpr int R = decltype(rc)::value;
     constexpr int C = Bf16Scores<D>::template cols<R>();
-    const bool ask = r == 0 && ahead.spread > 0;
+    const bool ask = r == 0 && ahead.n > 0;
     int64_t c = 0;
     for (; c + C <= n; c += C) {
-      if (ask) prefetch_spread(ahead, c * ahead.spread / n, (c + C) * ahead.spread / n);
+      if (ask) prefetch_spread(ahead, c * ahead.n / n, (c + C) * ahead.n / n);
       qk_tile_bf16<D, R, C>(q + r * ldq, ldq, rows_from(k, c), 0, dim, qscale, s + r * lds + c, lds);
     }
-    if (ask) prefetch_spread(ahead, c * ahead.spread / n, ahead.spread);
+    if (ask) prefetch_spread(ahead, c * ahead.n / n, ahead.n);
     for (; c < n; ++c) {
       qk_tile_bf16<D, R, 1>(q + r * ldq, ldq, rows_from(k, c), 0, dim, qscale, s + r * lds + c, lds);
     }
@@ -1453,64 +1457,62 @@ inline void softmax_rows(const Plan& plan, Scratch& sc, int64_t h0, int64_t ra, 
 // head h is h head strides further), then each piece of `piece` slots in
 // one call per head (qk_piece_bf16, pv_piece_bf16) wherever its pages lie,
 // each head's score pass asking for its share of the next piece's whole
-// slots (this block's next piece, else the next block's first: [next,
-// next_end), next < 0 none). Rows of head h: [h * rows + ta * group,
-// h * rows + tb * group). Out of run_task (as qk_block is), so that
-// run_task's own code for the other paths stays as it was: inlined there,
-// bf16 decode over 64-slot pages ran 5-8% slower.
+// slots (slot_bytes each): this block's next piece, else the next block's
+// first ([next, next_end), next < 0 none), whose addresses follow the
+// block's. Rows of head h: [h * rows + ta * group, h * rows + tb * group).
+// Out of run_task (as qk_block is), so that run_task's own code for the
+// other paths stays as it was: inlined there, bf16 decode over 64-slot
+// pages ran 5-8% slower.
 template <typename TKV>
 __attribute__((noinline)) void grouped_block_bf16(const Plan& plan, Scratch& sc, const SlotRows<TKV>& K,
                                                   const SlotRows<TKV>& V, int64_t heads, int64_t rows, int64_t ta,
                                                   int64_t tb, int64_t c0, int64_t c1, int64_t n8, int64_t piece,
-                                                  const Ahead& slot_streams, int64_t next, int64_t next_end) {
+                                                  int64_t slot_bytes, int64_t next, int64_t next_end) {
   using Bf16 = typename Vec::Bf16;
   const AttendParams& p = *plan.p;
-  const int64_t G = plan.group, D = plan.dim, Dp = plan.dim_pad;
+  const int64_t D = plan.dim, Dp = plan.dim_pad;
   float* const S = sc.s.data();
-  const TKV* kptr[kBlock];
-  const TKV* vptr[kBlock];
-  for (int64_t j = c0, je; j < c1; j = je) {
-    je = j + std::min(c1 - j, K.run(j));
-    const TKV* const kr = K.at(j);
-    const TKV* const vr = V.at(j);
-    for (int64_t i = 0; i < je - j; ++i) {
-      kptr[j - c0 + i] = kr + i * K.ld;
-      vptr[j - c0 + i] = vr + i * V.ld;
+  auto head_rows = [&](int64_t h) {
+    return std::pair<int64_t, int64_t>{h * rows + ta * plan.group, h * rows + tb * plan.group};
+  };
+  // Slot addresses: the block's [c0, c1) from 0, then the next block's
+  // first piece from c1 - c0, so the piece after [a, e) starts at e - c0.
+  const TKV* kptr[2 * kBlock];
+  const TKV* vptr[2 * kBlock];
+  auto fill = [&](int64_t j0, int64_t j1, int64_t at) {
+    for (int64_t j = j0, je; j < j1; j = je) {
+      je = j + std::min(j1 - j, K.run(j));
+      const TKV* const kr = K.at(j);
+      const TKV* const vr = V.at(j);
+      for (int64_t i = 0; i < je - j; ++i) {
+        kptr[at + j - j0 + i] = kr + i * K.ld;
+        vptr[at + j - j0 + i] = vr + i * V.ld;
+      }
     }
-  }
-  const char* krows[kBlock];
-  const char* vrows[kBlock];
+  };
+  fill(c0, c1, 0);
+  if (next >= 0) fill(next, std::min(next_end, next + piece), c1 - c0);
   for (int64_t a = c0, e; a < c1; a = e) {
     e = std::min(c1, a + piece);
-    const int64_t s0 = e < c1 ? e : next;
-    const int64_t m = s0 < 0 ? 0 : std::min(piece, (e < c1 ? c1 : next_end) - s0);
-    for (int64_t i = 0; i < m; ++i) {
-      krows[i] = reinterpret_cast<const char*>(K.at(s0 + i));
-      vrows[i] = reinterpret_cast<const char*>(V.at(s0 + i));
-    }
+    const int64_t m = e < c1 ? std::min(piece, c1 - e) : next < 0 ? 0 : std::min(piece, next_end - next);
     for (int64_t h = 0; h < heads; ++h) {
-      const int64_t ra = h * rows + ta * G, rb = h * rows + tb * G;
-      AheadRows ahead;
+      const auto [ra, rb] = head_rows(h);
       const int64_t r0 = h * m / heads, r1 = (h + 1) * m / heads;
-      if (r0 < r1) {
-        static_cast<Ahead&>(ahead) = slot_streams;
-        ahead.krows = krows + r0;
-        ahead.vrows = vrows + r0;
-        ahead.spread = r1 - r0;
-      }
+      const SpreadRows<TKV> ahead{kptr + (e - c0) + r0, vptr + (e - c0) + r0, r1 - r0, slot_bytes};
       qk_piece_bf16<Bf16>(sc.qh.data() + ra * D, D, PointerRows<TKV>{kptr + (a - c0), h * p.k_stride[1]}, D,
                           rb - ra, e - a, S + ra * kBlock + (a - c0), kBlock, ahead, plan.qscale);
     }
   }
   for (int64_t h = 0; h < heads; ++h) {
-    softmax_rows(plan, sc, h * rows, h * rows + ta * G, h * rows + tb * G, c0, c1, n8);
+    const auto [ra, rb] = head_rows(h);
+    softmax_rows(plan, sc, h * rows, ra, rb, c0, c1, n8);
   }
   // The weights in one pass a piece (the spread brought their values); a
   // head's first piece rescales its output.
   for (int64_t a = c0, e; a < c1; a = e) {
     e = std::min(c1, a + piece);
     for (int64_t h = 0; h < heads; ++h) {
-      const int64_t ra = h * rows + ta * G, rb = h * rows + tb * G;
+      const auto [ra, rb] = head_rows(h);
       pv_piece_bf16<Bf16>(S + ra * kBlock + (a - c0), kBlock, PointerRows<TKV>{vptr + (a - c0), h * p.v_stride[1]},
                           e - a, sc.o.data() + ra * Dp, Dp, a == c0 ? sc.alpha.data() + ra : nullptr, rb - ra, D,
                           sc.pb.data() + ra * kBlock);
@@ -1827,7 +1829,7 @@ void run_task(const Plan& plan, const Task& t, Scratch& sc) {
     // decisions in run_task).
     if constexpr (kBf16Pairs<T, TKV>) {
       if (spread && plan.scores == Loops::kBf16Pairs && plan.weights == Loops::kBf16Pairs) {
-        grouped_block_bf16(plan, sc, K, V, t.heads, rows, ta, tb, c0, c1, n8, piece, slot_streams,
+        grouped_block_bf16(plan, sc, K, V, t.heads, rows, ta, tb, c0, c1, n8, piece, slot_streams.row_bytes,
                            cend < task_hi ? cend : -1, cend < task_hi ? block_end(cend) : -1);
         continue;
       }
