@@ -52,6 +52,7 @@
 #include "../core/visibility.h"
 #include "../ops/attend.h"
 #include "attend_common.cuh"
+#include "attend_launch.cuh"
 #include "launch.cuh"
 
 namespace kvcache {

@@ -1,20 +1,26 @@
 // Pieces of the CUDA attention kernels shared by attend (attend.cu: a
-// contiguous or ring cache) and paged_attend (paged.cu: pages through a
-// block table): block shape and tile limits, the element conversion, the
-// K/V tile loader (slot rows found through an accessor), the shared-memory
-// plan and the device queries. See attend.cu for the kernel they serve.
+// contiguous or ring cache) and paged_attend (paged_kernels.cuh: pages
+// through a block table): block shape and tile limits, the element
+// conversion, the K/V tile loader (slot rows found through an accessor) and
+// the shared-memory plan. See attend.cu for the kernel they serve. No CUDA
+// runtime call lives here (those are in attend_launch.cuh), so the kernel
+// cores also compile as plain C++ under tests/cpp/cuda_emulator.h.
 #pragma once
 
-#include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>
-#include <cuda_runtime.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
-#include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
+
+// A kernel's dynamic shared memory as `T* name` (16-byte aligned for
+// float4). The CUDA emulator of the host tests defines its own.
+#ifndef KVCACHE_EXTERN_SMEM
+#define KVCACHE_EXTERN_SMEM(T, name) extern __shared__ T name[]
+#endif
 
 namespace kvcache {
 namespace attn_cuda {
@@ -32,29 +38,6 @@ constexpr int kCombineThreads = 128;
 // it, and allow_dynamic_smem checks it against the kernel's real size.
 constexpr int64_t kStaticSmemBytes = 2048;
 
-// Lets `kernel` launch with `smem` bytes of dynamic shared memory. Past the
-// default 48 KiB (static included) that takes the opt-in, set to the most
-// the device allows beside the kernel's static size: the same value on every
-// call, so two host threads launching the kernel with different sizes cannot
-// lower each other's limit. A static size above kStaticSmemBytes (which the
-// plan assumed) is a clear error, not a failed launch.
-template <typename Kernel>
-inline void allow_dynamic_smem(Kernel kernel, int64_t smem) {
-  if (smem + kStaticSmemBytes <= 48 * 1024) return;
-  cudaFuncAttributes attr;
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-  int device = 0, optin = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  const int64_t static_bytes = static_cast<int64_t>(attr.sharedSizeBytes);
-  TORCH_CHECK(static_bytes <= kStaticSmemBytes && static_bytes + smem <= optin,
-              "kvcache CUDA: a kernel with ", static_bytes, " bytes of static shared memory (planned for at most ",
-              kStaticSmemBytes, ") cannot take ", smem, " bytes of dynamic shared memory on this GPU (",
-              optin, " bytes per block)");
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(optin - static_bytes)));
-}
-
 template <typename TKV>
 constexpr bool kQuantizedKV =
     std::is_same_v<TKV, int8_t> || std::is_same_v<TKV, c10::Float8_e4m3fn>;
@@ -62,6 +45,25 @@ constexpr bool kQuantizedKV =
 template <typename T>
 __device__ __forceinline__ float to_float(T x) {
   return static_cast<float>(x);
+}
+
+// The 16 / sizeof(T) elements at src (16-byte aligned) as floats at dst
+// (16-byte aligned): one 16-byte load, float4 stores. The loaded bits are
+// copied into a T array, not read through a T* to the uint4: that breaks
+// strict aliasing, and g++ -O2 compiling these kernels for the emulated
+// host tests then reads zeros. nvcc turns the copy into register moves.
+template <typename T>
+__device__ __forceinline__ void widen16(float* dst, const T* src) {
+  constexpr int V = 16 / sizeof(T);
+  const uint4 raw = *reinterpret_cast<const uint4*>(src);
+  T vals[V];
+  memcpy(vals, &raw, sizeof(raw));
+#pragma unroll
+  for (int e = 0; e < V; e += 4) {
+    *reinterpret_cast<float4*>(dst + e) =
+        make_float4(to_float(vals[e]), to_float(vals[e + 1]),
+                    to_float(vals[e + 2]), to_float(vals[e + 3]));
+  }
 }
 
 // Loads slots [j0, j0 + n) of one (b, KV head) of a linear cache into kv_s
@@ -83,16 +85,7 @@ __device__ __forceinline__ void load_tile(float* kv_s, int pitch,
     for (int idx = threadIdx.x; idx < total; idx += kThreads) {
       const int jl = idx / per_row;
       const int c = idx - jl * per_row;
-      const uint4 raw =
-          *reinterpret_cast<const uint4*>(rows + jl * slot_stride + c * V);
-      const T* vals = reinterpret_cast<const T*>(&raw);
-      float* dst = kv_s + jl * pitch + c * V;
-#pragma unroll
-      for (int e = 0; e < V; e += 4) {
-        *reinterpret_cast<float4*>(dst + e) =
-            make_float4(to_float(vals[e]), to_float(vals[e + 1]),
-                        to_float(vals[e + 2]), to_float(vals[e + 3]));
-      }
+      widen16(kv_s + jl * pitch + c * V, rows + jl * slot_stride + c * V);
     }
   } else {
     const int total = n * D;
@@ -125,14 +118,7 @@ __device__ __forceinline__ void load_tile_at(float* kv_s, int pitch, const RowAt
         for (int e = 0; e < V; e += 4) *reinterpret_cast<float4*>(dst + e) = make_float4(0.f, 0.f, 0.f, 0.f);
         continue;
       }
-      const uint4 raw = *reinterpret_cast<const uint4*>(row + c * V);
-      const T* vals = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-      for (int e = 0; e < V; e += 4) {
-        *reinterpret_cast<float4*>(dst + e) =
-            make_float4(to_float(vals[e]), to_float(vals[e + 1]),
-                        to_float(vals[e + 2]), to_float(vals[e + 3]));
-      }
+      widen16(dst, row + c * V);
     }
   } else {
     const int total = n * D;
@@ -162,26 +148,6 @@ struct DeviceLimits {
   int64_t smem_optin;       // shared memory per block, with the opt-in
   int64_t multiprocessors;
 };
-
-// Two attribute queries (no sync, legal during graph capture); cheap, but
-// cached per device since every call needs them.
-inline DeviceLimits device_limits(int device) {
-  constexpr int kDevices = 64;
-  static std::atomic<int64_t> cached[kDevices][2];  // zero-initialized
-  if (device >= 0 && device < kDevices && cached[device][0].load() > 0) {
-    return {cached[device][0].load(), cached[device][1].load()};
-  }
-  int smem = 0, sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(
-      &smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  C10_CUDA_CHECK(
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  if (device >= 0 && device < kDevices) {
-    cached[device][1].store(sms);
-    cached[device][0].store(smem);
-  }
-  return {smem, sms};
-}
 
 // Dynamic shared memory of a block of R query rows over tiles of N slots
 // (P threads per slot's dot product): the K/V tile, queries, accumulators

@@ -114,7 +114,8 @@ inline CopyPlan plan_copy(char* dst, const int64_t* dst_stride,
   return p;
 }
 
-#if defined(__CUDACC__)
+// Device code: nvcc, or the CUDA emulator of the host tests.
+#if defined(__CUDACC__) || defined(KVCACHE_CUDA_EMULATOR)
 
 // Copies rows [0, rows) of one (batch, head) slab: dst_row / src_row point
 // at the slab's row 0. Threads: x along the units of a row, y along rows
@@ -171,7 +172,7 @@ __device__ __forceinline__ void copy_rows_planned(const CopyPlan& p,
   }
 }
 
-#endif  // __CUDACC__
+#endif  // __CUDACC__ || KVCACHE_CUDA_EMULATOR
 
 // Threads per block of the copy kernels, and their 2-D shape for a slab of
 // `rows` rows of `units` units: x covers a row (a warp multiple, at most

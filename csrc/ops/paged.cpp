@@ -308,17 +308,12 @@ PagedRows check_paged_attend(const at::Tensor& q, const at::Tensor& key_pages,
   return rows;
 }
 
-}  // namespace detail
-
-namespace ops {
-
-void paged_write_(const at::Tensor& key_pages, const at::Tensor& value_pages,
-                  const at::Tensor& key, const at::Tensor& value, const at::Tensor& slot_mapping,
-                  const std::optional<at::Tensor>& key_scales,
-                  const std::optional<at::Tensor>& value_scales) {
-  detail::check_paged_write(key_pages, value_pages, key, value, slot_mapping, key_scales,
-                            value_scales, true);
-  detail::PagedWriteParams p;
+PagedWriteParams paged_write_params(const at::Tensor& key_pages, const at::Tensor& value_pages,
+                                    const at::Tensor& key, const at::Tensor& value,
+                                    const at::Tensor& slot_mapping,
+                                    const std::optional<at::Tensor>& key_scales,
+                                    const std::optional<at::Tensor>& value_scales) {
+  PagedWriteParams p;
   p.k_src = static_cast<const char*>(key.const_data_ptr());
   p.v_src = static_cast<const char*>(value.const_data_ptr());
   const int64_t src_es = key.element_size();
@@ -333,8 +328,8 @@ void paged_write_(const at::Tensor& key_pages, const at::Tensor& value_pages,
     p.k_page_stride[k] = key_pages.stride(k) * es;
     p.v_page_stride[k] = value_pages.stride(k) * es;
   }
-  p.format = detail::format_of(key_pages.scalar_type());
-  if (p.format != detail::KvFormat::kPlain) {
+  p.format = format_of(key_pages.scalar_type());
+  if (p.format != KvFormat::kPlain) {
     p.k_scale = key_scales->mutable_data_ptr<float>();
     p.v_scale = value_scales->mutable_data_ptr<float>();
     for (int k = 0; k < 3; ++k) {
@@ -344,37 +339,29 @@ void paged_write_(const at::Tensor& key_pages, const at::Tensor& value_pages,
   }
   p.src_dtype = key.scalar_type();
   p.elem_size = es;
-  p.slots = detail::int_rows(slot_mapping);
+  p.slots = int_rows(slot_mapping);
   p.num_tokens = key.size(0);
   p.num_kv_heads = key_pages.size(2);
   p.head_dim = key_pages.size(3);
   p.block_size = key_pages.size(1);
   p.num_blocks = key_pages.size(0);
   p.device_index = key_pages.device().index();
-  if (p.num_tokens > 0 && p.num_kv_heads > 0 && p.head_dim > 0) {
-    detail::paged_write_stub.get(key_pages.device().type(), "paged_write_")(p);
-  }
+  return p;
 }
 
-at::Tensor paged_attend(const at::Tensor& q, const at::Tensor& key_pages,
-                        const at::Tensor& value_pages, const at::Tensor& block_table,
-                        const at::Tensor& context_lens, const at::Tensor& cu_seqlens_q,
-                        std::optional<double> scale, int64_t window, double softcap,
-                        const std::optional<at::Tensor>& key_scales,
-                        const std::optional<at::Tensor>& value_scales,
-                        const std::optional<at::Tensor>& sink_logits) {
-  const auto rows = detail::check_paged_attend(q, key_pages, value_pages, block_table,
-                                               context_lens, cu_seqlens_q, scale, window,
-                                               softcap, key_scales, value_scales, sink_logits,
-                                               true);
-  // On CUDA the end of the queries (cu_seqlens_q[num_seqs]) is not known on
-  // the host: padding rows stay as allocated, so allocate zeros there.
-  at::Tensor out = q.device().is_cpu() ? at::empty(q.sizes(), q.options())
-                                       : at::zeros(q.sizes(), q.options());
-  detail::AttendParams p;
-  p.dtype = q.scalar_type() == at::kFloat      ? detail::AttnDtype::kFloat32
-            : q.scalar_type() == at::kBFloat16 ? detail::AttnDtype::kBFloat16
-                                               : detail::AttnDtype::kFloat16;
+AttendParams paged_attend_params(const at::Tensor& q, const at::Tensor& out,
+                                 const at::Tensor& key_pages, const at::Tensor& value_pages,
+                                 const at::Tensor& block_table, const at::Tensor& context_lens,
+                                 const at::Tensor& cu_seqlens_q, std::optional<double> scale,
+                                 int64_t window, double softcap,
+                                 const std::optional<at::Tensor>& key_scales,
+                                 const std::optional<at::Tensor>& value_scales,
+                                 const std::optional<at::Tensor>& sink_logits,
+                                 const PagedRows& rows) {
+  AttendParams p;
+  p.dtype = q.scalar_type() == at::kFloat      ? AttnDtype::kFloat32
+            : q.scalar_type() == at::kBFloat16 ? AttnDtype::kBFloat16
+                                               : AttnDtype::kFloat16;
   // Varlen queries: {row 0, head, token, element} (AttendParams).
   p.q = q.const_data_ptr();
   p.q_stride[0] = 0;
@@ -403,7 +390,7 @@ at::Tensor paged_attend(const at::Tensor& q, const at::Tensor& key_pages,
   p.num_kv_heads = key_pages.size(2);
   p.head_dim = key_pages.size(3);
   p.num_heads = q.size(1);
-  p.max_len = detail::table_capacity(block_table.size(1), key_pages.size(1));
+  p.max_len = table_capacity(block_table.size(1), key_pages.size(1));
   p.scale = static_cast<float>(
       scale.value_or(p.head_dim > 0 ? 1.0 / std::sqrt(double(p.head_dim)) : 1.0));
   p.softcap = static_cast<float>(softcap);
@@ -412,7 +399,7 @@ at::Tensor paged_attend(const at::Tensor& q, const at::Tensor& key_pages,
     p.sink_logits = sink_logits->const_data_ptr<float>();
     p.sink_stride = sink_logits->stride(0);
   }
-  p.lengths = detail::int_rows(context_lens);
+  p.lengths = int_rows(context_lens);
   p.cu_seqlens_q = cu_seqlens_q.const_data_ptr<int32_t>();
   p.cu_stride = cu_seqlens_q.stride(0);
   if (!rows.q_start.empty()) {
@@ -423,8 +410,8 @@ at::Tensor paged_attend(const at::Tensor& q, const at::Tensor& key_pages,
     p.seq = q.size(0);  // CUDA: a bound (the device holds the offsets)
   }
   p.device_index = q.device().index();
-  p.kv_format = detail::format_of(key_pages.scalar_type());
-  if (p.kv_format != detail::KvFormat::kPlain) {
+  p.kv_format = format_of(key_pages.scalar_type());
+  if (p.kv_format != KvFormat::kPlain) {
     p.k_scale = key_scales->const_data_ptr<float>();
     p.v_scale = value_scales->const_data_ptr<float>();
     p.ks_stride[0] = key_scales->stride(0);
@@ -434,6 +421,44 @@ at::Tensor paged_attend(const at::Tensor& q, const at::Tensor& key_pages,
     p.vs_stride[1] = value_scales->stride(2);
     p.vs_stride[2] = value_scales->stride(1);
   }
+  return p;
+}
+
+}  // namespace detail
+
+namespace ops {
+
+void paged_write_(const at::Tensor& key_pages, const at::Tensor& value_pages,
+                  const at::Tensor& key, const at::Tensor& value, const at::Tensor& slot_mapping,
+                  const std::optional<at::Tensor>& key_scales,
+                  const std::optional<at::Tensor>& value_scales) {
+  detail::check_paged_write(key_pages, value_pages, key, value, slot_mapping, key_scales,
+                            value_scales, true);
+  const detail::PagedWriteParams p = detail::paged_write_params(
+      key_pages, value_pages, key, value, slot_mapping, key_scales, value_scales);
+  if (p.num_tokens > 0 && p.num_kv_heads > 0 && p.head_dim > 0) {
+    detail::paged_write_stub.get(key_pages.device().type(), "paged_write_")(p);
+  }
+}
+
+at::Tensor paged_attend(const at::Tensor& q, const at::Tensor& key_pages,
+                        const at::Tensor& value_pages, const at::Tensor& block_table,
+                        const at::Tensor& context_lens, const at::Tensor& cu_seqlens_q,
+                        std::optional<double> scale, int64_t window, double softcap,
+                        const std::optional<at::Tensor>& key_scales,
+                        const std::optional<at::Tensor>& value_scales,
+                        const std::optional<at::Tensor>& sink_logits) {
+  const auto rows = detail::check_paged_attend(q, key_pages, value_pages, block_table,
+                                               context_lens, cu_seqlens_q, scale, window,
+                                               softcap, key_scales, value_scales, sink_logits,
+                                               true);
+  // On CUDA the end of the queries (cu_seqlens_q[num_seqs]) is not known on
+  // the host: padding rows stay as allocated, so allocate zeros there.
+  at::Tensor out = q.device().is_cpu() ? at::empty(q.sizes(), q.options())
+                                       : at::zeros(q.sizes(), q.options());
+  const detail::AttendParams p = detail::paged_attend_params(
+      q, out, key_pages, value_pages, block_table, context_lens, cu_seqlens_q, scale, window,
+      softcap, key_scales, value_scales, sink_logits, rows);
   if (out.numel() > 0 && p.seq > 0) {
     detail::paged_attend_stub.get(q.device().type(), "paged_attend")(p);
   }

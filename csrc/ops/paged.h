@@ -106,6 +106,31 @@ KVCACHE_API PagedRows check_paged_attend(
     const std::optional<at::Tensor>& value_scales,
     const std::optional<at::Tensor>& sink_logits, bool values_known);
 
+// The parameters of paged_write_'s stubs (pointers into the tensors, byte
+// strides), after check_paged_write. Exported for the emulated CUDA tests
+// (tests/cpp/test_paged_cuda_emulated.cpp), which run the CUDA stub's code on
+// them.
+KVCACHE_API PagedWriteParams paged_write_params(const at::Tensor& key_pages,
+                                                const at::Tensor& value_pages,
+                                                const at::Tensor& key, const at::Tensor& value,
+                                                const at::Tensor& slot_mapping,
+                                                const std::optional<at::Tensor>& key_scales,
+                                                const std::optional<at::Tensor>& value_scales);
+
+// The parameters of paged_attend's stubs, after check_paged_attend, for q
+// and the output `out` the entry allocated. `rows` is check_paged_attend's
+// answer and must outlive the parameters: with host values (CPU) the CPU
+// kernel's per-sequence rows point into it and seq is the longest query
+// run; empty (values on the device, CUDA) seq is q.size(0) and the kernel
+// reads cu_seqlens_q and context_lens itself.
+KVCACHE_API AttendParams paged_attend_params(
+    const at::Tensor& q, const at::Tensor& out, const at::Tensor& key_pages,
+    const at::Tensor& value_pages, const at::Tensor& block_table,
+    const at::Tensor& context_lens, const at::Tensor& cu_seqlens_q, std::optional<double> scale,
+    int64_t window, double softcap, const std::optional<at::Tensor>& key_scales,
+    const std::optional<at::Tensor>& value_scales, const std::optional<at::Tensor>& sink_logits,
+    const PagedRows& rows);
+
 inline void trace_check_paged_write_(const at::Tensor& key_pages, const at::Tensor& value_pages,
                                      const at::Tensor& key, const at::Tensor& value,
                                      const at::Tensor& slot_mapping,
