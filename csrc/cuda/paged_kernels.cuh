@@ -1,6 +1,7 @@
 // The CUDA kernels of paged_write_ and paged_attend (see csrc/ops/paged.h)
 // and the host code that plans and launches them, over a runtime `Rt`:
-// paged.cu passes the CUDA one (stream, caching allocator, <<<>>>);
+// paged.cu passes the CUDA one (runtime.cuh: stream, caching allocator,
+// <<<>>>);
 // tests/cpp/test_paged_cuda_emulated.cpp passes tests/cpp/cuda_emulator.h's,
 // which runs these same kernels on the CPU, every block's threads as fibers
 // with real barriers and warp shuffles. So nothing here may call the CUDA
@@ -85,7 +86,7 @@
 #include "quant.cuh"
 
 namespace kvcache {
-namespace paged_cuda {
+namespace paged_kernels {
 
 using namespace attn_cuda;
 using detail::AttendParams;
@@ -896,5 +897,5 @@ void run_paged_attend(const AttendParams& p, Rt& rt) {
   }
 }
 
-}  // namespace paged_cuda
+}  // namespace paged_kernels
 }  // namespace kvcache

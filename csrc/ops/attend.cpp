@@ -227,9 +227,6 @@ AttendRows check_attend(const at::Tensor& q, const at::Tensor& keys,
   return rows;
 }
 
-}  // namespace detail
-
-namespace ops {
 
 namespace {
 
@@ -239,27 +236,19 @@ void strides_of(const at::Tensor& t, int64_t* out) {
 
 }  // namespace
 
-at::Tensor attend(const at::Tensor& q, const at::Tensor& keys,
-                  const at::Tensor& values, const at::Tensor& lengths,
-                  const std::optional<at::Tensor>& kv_start,
-                  std::optional<double> scale, int64_t window, double softcap,
-                  const std::optional<at::Tensor>& positions, int64_t sinks,
-                  const std::optional<at::Tensor>& k_scale,
-                  const std::optional<at::Tensor>& v_scale,
-                  const std::optional<at::Tensor>& sink_logits) {
-  const auto rows = detail::check_attend(q, keys, values, lengths, kv_start,
-                                         scale, window, softcap, true,
-                                         positions, sinks, k_scale, v_scale,
-                                         sink_logits);
-  // (batch, seq, heads, head_dim) memory: the caller's transpose(1, 2) and
-  // reshape to (batch, seq, heads * head_dim) is then a free view.
-  at::Tensor out =
-      at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options())
-          .transpose(1, 2);
-  detail::AttendParams p;
-  p.dtype = q.scalar_type() == at::kFloat      ? detail::AttnDtype::kFloat32
-            : q.scalar_type() == at::kBFloat16 ? detail::AttnDtype::kBFloat16
-                                               : detail::AttnDtype::kFloat16;
+AttendParams attend_params(const at::Tensor& q, const at::Tensor& out, const at::Tensor& keys,
+                           const at::Tensor& values, const at::Tensor& lengths,
+                           const std::optional<at::Tensor>& kv_start,
+                           std::optional<double> scale, int64_t window, double softcap,
+                           const std::optional<at::Tensor>& positions, int64_t sinks,
+                           const std::optional<at::Tensor>& k_scale,
+                           const std::optional<at::Tensor>& v_scale,
+                           const std::optional<at::Tensor>& sink_logits,
+                           const AttendRows& rows) {
+  AttendParams p;
+  p.dtype = q.scalar_type() == at::kFloat      ? AttnDtype::kFloat32
+            : q.scalar_type() == at::kBFloat16 ? AttnDtype::kBFloat16
+                                               : AttnDtype::kFloat16;
   p.q = q.const_data_ptr();
   p.k = keys.const_data_ptr();
   p.v = values.const_data_ptr();
@@ -288,13 +277,13 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys,
     p.sink_logits = sink_logits->const_data_ptr<float>();
     p.sink_stride = sink_logits->stride(0);
   }
-  p.lengths = detail::int_rows(lengths);
-  if (kv_start.has_value()) p.kv_start = detail::int_rows(*kv_start);
+  p.lengths = int_rows(lengths);
+  if (kv_start.has_value()) p.kv_start = int_rows(*kv_start);
   p.host_lengths = rows.lengths.empty() ? nullptr : rows.lengths.data();
   p.host_kv_start = rows.kv_start.empty() ? nullptr : rows.kv_start.data();
   p.device_index = q.device().index();
-  p.kv_format = detail::format_of(keys.scalar_type());
-  if (p.kv_format != detail::KvFormat::kPlain) {
+  p.kv_format = format_of(keys.scalar_type());
+  if (p.kv_format != KvFormat::kPlain) {
     p.k_scale = k_scale->const_data_ptr<float>();
     p.v_scale = v_scale->const_data_ptr<float>();
     for (int k = 0; k < 3; ++k) {
@@ -302,6 +291,33 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys,
       p.vs_stride[k] = v_scale->stride(k);
     }
   }
+  return p;
+}
+
+}  // namespace detail
+
+namespace ops {
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& keys,
+                  const at::Tensor& values, const at::Tensor& lengths,
+                  const std::optional<at::Tensor>& kv_start,
+                  std::optional<double> scale, int64_t window, double softcap,
+                  const std::optional<at::Tensor>& positions, int64_t sinks,
+                  const std::optional<at::Tensor>& k_scale,
+                  const std::optional<at::Tensor>& v_scale,
+                  const std::optional<at::Tensor>& sink_logits) {
+  const auto rows = detail::check_attend(q, keys, values, lengths, kv_start,
+                                         scale, window, softcap, true,
+                                         positions, sinks, k_scale, v_scale,
+                                         sink_logits);
+  // (batch, seq, heads, head_dim) memory: the caller's transpose(1, 2) and
+  // reshape to (batch, seq, heads * head_dim) is then a free view.
+  at::Tensor out =
+      at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options())
+          .transpose(1, 2);
+  const detail::AttendParams p =
+      detail::attend_params(q, out, keys, values, lengths, kv_start, scale, window, softcap,
+                            positions, sinks, k_scale, v_scale, sink_logits, rows);
   if (out.numel() > 0) {
     detail::attend_stub.get(q.device().type(), "attend")(p);
   }

@@ -146,6 +146,18 @@ KVCACHE_API AttendRows check_attend(const at::Tensor& q, const at::Tensor& keys,
                         const std::optional<at::Tensor>& v_scale = std::nullopt,
                         const std::optional<at::Tensor>& sink_logits = std::nullopt);
 
+// The parameters of attend's stubs, after check_attend, for q and the output
+// `out` the entry allocated. `rows` is check_attend's answer and must outlive
+// the parameters (the CPU kernel reads the host lengths from it; empty, the
+// kernels read lengths and kv_start on the device). Exported for the emulated
+// CUDA tests (tests/cpp/test_attend_cuda_emulated.cpp).
+KVCACHE_API AttendParams attend_params(
+    const at::Tensor& q, const at::Tensor& out, const at::Tensor& keys, const at::Tensor& values,
+    const at::Tensor& lengths, const std::optional<at::Tensor>& kv_start,
+    std::optional<double> scale, int64_t window, double softcap,
+    const std::optional<at::Tensor>& positions, int64_t sinks,
+    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+    const std::optional<at::Tensor>& sink_logits, const AttendRows& rows);
 
 // The checks with the schema's arguments, as a fake kernel runs them.
 inline void trace_check_attend(const at::Tensor& q, const at::Tensor& keys,

@@ -15,7 +15,7 @@
 // What this cannot show: speed, memory coalescing, register or shared-memory
 // limits of a real GPU, or races between blocks (blocks run one at a time).
 // scripts/gpu_check.sh runs the same kernels on a GPU when one is lent.
-#include "cuda_emulator.h"  // first: __global__, threadIdx, __syncthreads, ...
+#include "emulated_runtime.h"  // first: the emulator, then the kernels
 #include "cuda/paged_kernels.cuh"
 
 #include <ATen/ATen.h>
@@ -32,43 +32,12 @@ namespace {
 
 using kvcache::attn_cuda::DeviceLimits;
 using kvcache::detail::KvFormat;
-
-// The runtime paged_kernels.cuh asks for, on host memory. Scratch starts as
-// garbage (0xab bytes), as device memory would.
-struct EmulatedRuntime {
-  DeviceLimits device{227 * 1024, 132};  // an H100's opt-in shared memory and SMs
-  std::vector<at::Tensor> held;
-  int launches = 0;
-
-  DeviceLimits limits() const { return device; }
-  void* scratch(size_t bytes) {
-    held.push_back(at::full({static_cast<int64_t>(bytes) + 16}, 0xab, at::kByte));
-    return held.back().data_ptr();
-  }
-  void memset(void* p, int byte, size_t bytes) { std::memset(p, byte, bytes); }
-  template <typename Kernel, typename... Args>
-  void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, const Args&... args) {
-    ++launches;
-    kvemu::launch(kernel, grid, block, smem, args...);
-  }
-};
-
-// The schedules every case runs under: a correct kernel's output does not
-// depend on the order of blocks or of threads between barriers.
-struct Schedule {
-  const char* name;
-  bool reverse_threads, reverse_blocks;
-  unsigned seed;
-};
-constexpr Schedule kSchedules[] = {
-    {"forward", false, false, 0}, {"reverse threads", true, false, 0},
-    {"reverse blocks", false, true, 0}, {"shuffled", false, false, 7}};
-
-void use(const Schedule& s) {
-  kvemu::options.reverse_threads = s.reverse_threads;
-  kvemu::options.reverse_blocks = s.reverse_blocks;
-  kvemu::options.shuffle_seed = s.seed;
-}
+using kvcache::testing::EmulatedRuntime;
+using kvcache::testing::kBigGpu;
+using kvcache::testing::kSchedules;
+using kvcache::testing::Schedule;
+using kvcache::testing::kSmallGpu;
+using kvcache::testing::use;
 
 // ---------------------------------------------------------------- attend
 
@@ -186,37 +155,15 @@ at::Tensor emulated_attend(const Batch& b, EmulatedRuntime& rt) {
   const kvcache::detail::AttendParams p = kvcache::detail::paged_attend_params(
       b.q, out, b.key_pages, b.value_pages, b.block_table, b.context_lens, b.cu_seqlens_q,
       b.scale, b.window, b.softcap, b.key_scales, b.value_scales, b.sink_logits, rows);
-  if (out.numel() > 0) kvcache::paged_cuda::run_paged_attend(p, rt);
+  if (out.numel() > 0) kvcache::paged_kernels::run_paged_attend(p, rt);
   return out;
 }
 
-double tolerance(at::ScalarType dtype) { return dtype == at::kFloat ? 2e-5 : 2e-2; }
-
-// Runs the batch under every schedule: each matches the reference, and all
-// give the same bits.
+// Runs the batch under every schedule (check_schedules).
 void check_attend(const Batch& b, DeviceLimits device, int min_launches = 1) {
-  const at::Tensor want = reference(b);
-  at::Tensor first;
-  for (const Schedule& s : kSchedules) {
-    use(s);
-    EmulatedRuntime rt;
-    rt.device = device;
-    const at::Tensor got = emulated_attend(b, rt);
-    INFO("schedule " << s.name << ", launches " << rt.launches);
-    CHECK(rt.launches >= min_launches);
-    const double err = (got.to(at::kDouble) - want).abs().max().item<double>();
-    CHECK(err <= tolerance(b.q.scalar_type()) * (1 + want.abs().max().item<double>()));
-    if (!first.defined()) {
-      first = got;
-    } else {
-      CHECK(at::equal(got, first));
-    }
-  }
-  use(kSchedules[0]);
+  kvcache::testing::check_schedules([&](EmulatedRuntime& rt) { return emulated_attend(b, rt); },
+                                    reference(b), device, min_launches);
 }
-
-constexpr DeviceLimits kBigGpu{227 * 1024, 132};
-constexpr DeviceLimits kSmallGpu{48 * 1024, 2};
 
 }  // namespace
 
@@ -349,7 +296,7 @@ void emulated_write(WriteCase& c) {
   const kvcache::detail::PagedWriteParams p = kvcache::detail::paged_write_params(
       c.key_pages, c.value_pages, c.key, c.value, c.slots, c.key_scales, c.value_scales);
   EmulatedRuntime rt;
-  kvcache::paged_cuda::run_paged_write(p, rt);
+  kvcache::paged_kernels::run_paged_write(p, rt);
 }
 
 // Tokens to distinct random slots of a pool, some skipped (-1).
