@@ -89,7 +89,7 @@ export UBSAN_OPTIONS="halt_on_error=1:abort_on_error=1:print_stacktrace=1"
 # path, so that the AVX-512 code runs under ASan/UBSan too; the Python tests
 # below run without it.
 NO_UAR="${ASAN_OPTIONS/detect_stack_use_after_return=1/detect_stack_use_after_return=0}"
-# The emulated CUDA kernels (tests/cpp/test_paged_cuda_emulated.cpp) run
+# The emulated CUDA kernels (tests/cpp/test_*_cuda_emulated.cpp) run
 # each GPU thread as a fiber: with use-after-return detection every fiber
 # switch takes ASan's fake-stack path (100 s against 19 s without it), and
 # what they test does not depend on the CPU's ISA, so they run once, with it

@@ -20,6 +20,7 @@
 #include <optional>
 #include <string>
 
+#include "kvcache/export.h"
 #include "quant.h"
 
 namespace kvcache {
@@ -97,7 +98,7 @@ void check_cache(const at::Tensor& keys, const at::Tensor& values);
 
 // The quantized format of a cache dtype: int8 and float8_e4m3fn are the
 // quantized caches (core/quant.h); any other dtype is kPlain.
-KvFormat format_of(at::ScalarType t);
+KVCACHE_API KvFormat format_of(at::ScalarType t);
 
 // A quantized cache's scale tensor (k_scale / v_scale): dense float32
 // (batch, num_kv_heads, max_len) matching `keys`, on its device.

@@ -3,7 +3,7 @@
 // through a block table): block shape and tile limits, the element
 // conversion, the K/V tile loader (slot rows found through an accessor) and
 // the shared-memory plan. See attend.cu for the kernel they serve. No CUDA
-// runtime call lives here (those are in attend_launch.cuh), so the kernel
+// runtime call lives here (those are in runtime.cuh), so the kernel
 // cores also compile as plain C++ under tests/cpp/cuda_emulator.h.
 #pragma once
 

@@ -1,12 +1,9 @@
-// What every CUDA stub of kvcache does around its launches: run on the
-// tensors' device (a device guard: the dispatcher sets none for custom ops)
-// and on the current stream (so the work is ordered with the caller's and
-// can be captured in a CUDA graph); check every launch.
+// Host-side launch rules shared by the CUDA kernels' host code: the
+// threads of the one-block validation passes and the 32-bit grid bound of
+// the copy launches. No CUDA runtime call (runtime.cuh has those), so the
+// kernel headers that use it also compile under the host tests' emulator.
 #pragma once
 
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 
 #include <cstdint>

@@ -105,40 +105,6 @@ std::vector<int64_t> check_device_start_write(
                              values_known, k_scale, v_scale);
 }
 
-namespace {
-
-// The parameters shared by both ring writes; `length` receives start + chunk.
-RingUpdateParams ring_params(at::Tensor& keys, at::Tensor& values,
-                             const at::Tensor& positions,
-                             const at::Tensor& keys_new,
-                             const at::Tensor& values_new,
-                             const at::Tensor& start, int64_t sinks,
-                             const std::vector<int64_t>& starts,
-                             const at::Tensor& length) {
-  RingUpdateParams p;
-  p.dst[0] = dst_rows(keys);
-  p.dst[1] = dst_rows(values);
-  p.src[0] = src_rows(keys_new);
-  p.src[1] = src_rows(values_new);
-  p.positions = positions.mutable_data_ptr<int32_t>();  // the schema's (e!)
-  p.pos_stride[0] = positions.stride(0);
-  p.pos_stride[1] = positions.stride(1);
-  p.batch = keys.size(0);
-  p.heads = keys.size(1);
-  p.capacity = keys.size(2);
-  p.head_dim = keys.size(3);
-  p.chunk = keys_new.size(2);
-  p.sinks = sinks;
-  p.elem = static_cast<int64_t>(keys.element_size());
-  p.starts = int_rows(start);
-  p.host_starts = starts.empty() ? nullptr : starts.data();
-  p.lengths_out = int_rows(length);
-  p.device_index = keys.device().index();
-  return p;
-}
-
-}  // namespace
-
 at::Tensor ring_write(at::Tensor& keys, at::Tensor& values,
                       const at::Tensor& positions, const at::Tensor& keys_new,
                       const at::Tensor& values_new, const at::Tensor& start,
@@ -148,8 +114,8 @@ at::Tensor ring_write(at::Tensor& keys, at::Tensor& values,
                                         values_new, start, sinks, true, k_scale,
                                         v_scale);
   at::Tensor length = at::empty(start.sizes(), keys.options().dtype(at::kInt));
-  const auto p = ring_params(keys, values, positions, keys_new, values_new,
-                             start, sinks, starts, length);
+  const auto p = ring_update_params(keys, values, positions, keys_new, values_new, start,
+                                    sinks, starts, length);
   if (!k_scale.has_value()) {
     ring_update_stub.get(keys.device().type(), "update_.Tensor (a ring)")(p);
     return length;

@@ -36,6 +36,7 @@
 #include "../core/device_stub.h"
 #include "../core/params.h"
 #include "../core/quant.h"
+#include "../core/tensor_params.h"
 #include "update.h"
 #include "kvcache/export.h"
 
@@ -59,6 +60,36 @@ struct RingUpdateParams {
   IntRows lengths_out;  // start + chunk, or -1 everywhere (CUDA, bad start)
   int device_index = -1;
 };
+
+// The parameters of both ring writes (`starts`: the checked host starts,
+// empty when they stay on the device; `length` receives start + chunk).
+// Shared with the emulated CUDA tests.
+inline RingUpdateParams ring_update_params(at::Tensor& keys, at::Tensor& values,
+                                           const at::Tensor& positions, const at::Tensor& keys_new,
+                                           const at::Tensor& values_new, const at::Tensor& start,
+                                           int64_t sinks, const std::vector<int64_t>& starts,
+                                           const at::Tensor& length) {
+  RingUpdateParams p;
+  p.dst[0] = dst_rows(keys);
+  p.dst[1] = dst_rows(values);
+  p.src[0] = src_rows(keys_new);
+  p.src[1] = src_rows(values_new);
+  p.positions = positions.mutable_data_ptr<int32_t>();  // the schema's (e!)
+  p.pos_stride[0] = positions.stride(0);
+  p.pos_stride[1] = positions.stride(1);
+  p.batch = keys.size(0);
+  p.heads = keys.size(1);
+  p.capacity = keys.size(2);
+  p.head_dim = keys.size(3);
+  p.chunk = keys_new.size(2);
+  p.sinks = sinks;
+  p.elem = static_cast<int64_t>(keys.element_size());
+  p.starts = int_rows(start);
+  p.host_starts = starts.empty() ? nullptr : starts.data();
+  p.lengths_out = int_rows(length);
+  p.device_index = keys.device().index();
+  return p;
+}
 
 using RingUpdateFn = void (*)(const RingUpdateParams&);
 extern DeviceStub<RingUpdateFn> ring_update_stub;

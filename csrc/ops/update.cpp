@@ -391,24 +391,6 @@ namespace ops {
 
 namespace {
 
-detail::UpdateParams make_params(at::Tensor& keys, at::Tensor& values,
-                                 const at::Tensor& keys_new,
-                                 const at::Tensor& values_new) {
-  detail::UpdateParams p;
-  p.dst[0] = detail::dst_rows(keys);
-  p.dst[1] = detail::dst_rows(values);
-  p.src[0] = detail::src_rows(keys_new);
-  p.src[1] = detail::src_rows(values_new);
-  p.batch = keys.size(0);
-  p.num_kv_heads = keys.size(1);
-  p.max_len = keys.size(2);
-  p.head_dim = keys.size(3);
-  p.chunk = keys_new.size(2);
-  p.elem = static_cast<int64_t>(keys.element_size());
-  p.device_index = keys.device().index();
-  return p;
-}
-
 // Runs a checked write: the plain stub with `p`, or (scales given) the
 // quantized stub with `p` as its base and the scales' fields. The start
 // fields of `p` are already set by the caller.
@@ -436,7 +418,7 @@ at::Tensor update_(at::Tensor& keys, at::Tensor& values,
   detail::check_update(keys, values, keys_new, values_new, start, k_scale,
                        v_scale);
   at::Tensor length = at::empty({}, keys.options().dtype(at::kInt));
-  auto p = make_params(keys, values, keys_new, values_new);
+  auto p = detail::update_params(keys, values, keys_new, values_new);
   p.start = start;
   p.host_starts = &start;
   p.lengths_out = detail::int_rows(length);
@@ -459,7 +441,7 @@ at::Tensor update_tensor_(at::Tensor& keys, at::Tensor& values,
       keys, values, keys_new, values_new, start, true, k_scale, v_scale,
       positions, sinks);
   at::Tensor length = at::empty(start.sizes(), keys.options().dtype(at::kInt));
-  auto p = make_params(keys, values, keys_new, values_new);
+  auto p = detail::update_params(keys, values, keys_new, values_new);
   p.starts = detail::int_rows(start);
   p.host_starts = starts.empty() ? nullptr : starts.data();
   p.lengths_out = detail::int_rows(length);
@@ -473,7 +455,7 @@ void append_(at::Tensor& keys, at::Tensor& values, at::Tensor& lengths,
              const std::optional<at::Tensor>& v_scale) {
   const auto starts = detail::check_append(keys, values, lengths, keys_new,
                                            values_new, true, k_scale, v_scale);
-  auto p = make_params(keys, values, keys_new, values_new);
+  auto p = detail::update_params(keys, values, keys_new, values_new);
   p.starts = detail::int_rows(lengths);
   p.host_starts = starts.empty() ? nullptr : starts.data();
   p.lengths_out = p.starts;
@@ -492,7 +474,7 @@ at::Tensor append_returning_(at::Tensor& keys, at::Tensor& values,
   const auto starts = detail::check_append(keys, values, lengths, keys_new,
                                            values_new, true, k_scale, v_scale);
   at::Tensor out = at::empty(lengths.sizes(), lengths.options());
-  auto p = make_params(keys, values, keys_new, values_new);
+  auto p = detail::update_params(keys, values, keys_new, values_new);
   p.starts = detail::int_rows(lengths);
   p.host_starts = starts.empty() ? nullptr : starts.data();
   p.lengths_out = detail::int_rows(out);

@@ -35,6 +35,7 @@
 #include "kvcache/export.h"
 #include "../core/params.h"
 #include "../core/quant.h"
+#include "../core/tensor_params.h"
 
 namespace kvcache {
 namespace detail {
@@ -60,6 +61,26 @@ struct UpdateParams {
   // The tensors' device index (CUDA: the device the kernels run on).
   int device_index = -1;
 };
+
+// A write's parameters but its start fields (start / starts / host_starts /
+// lengths_out, which each entry sets): keys_new / values_new (batch,
+// num_kv_heads, chunk, head_dim) into keys / values at each row's start.
+inline UpdateParams update_params(at::Tensor& keys, at::Tensor& values,
+                                  const at::Tensor& keys_new, const at::Tensor& values_new) {
+  UpdateParams p;
+  p.dst[0] = dst_rows(keys);
+  p.dst[1] = dst_rows(values);
+  p.src[0] = src_rows(keys_new);
+  p.src[1] = src_rows(values_new);
+  p.batch = keys.size(0);
+  p.num_kv_heads = keys.size(1);
+  p.max_len = keys.size(2);
+  p.head_dim = keys.size(3);
+  p.chunk = keys_new.size(2);
+  p.elem = static_cast<int64_t>(keys.element_size());
+  p.device_index = keys.device().index();
+  return p;
+}
 
 using UpdateFn = void (*)(const UpdateParams&);
 extern DeviceStub<UpdateFn> update_stub;
