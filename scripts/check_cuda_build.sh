@@ -93,9 +93,11 @@ for line in open(sys.argv[1], errors="replace"):
     if m and rows and rows[-1][2] is None:
         rows[-1][2] = int(m.group(1))
 def short(name):
-    m = re.search(r"(paged_attend_kernel|paged_combine_kernel|paged_write_copy_kernel|paged_write_quant_kernel|"
+    m = re.search(r"(?<=\d)(paged_attend_kernel|paged_combine_kernel|paged_write_copy_kernel|paged_write_quant_kernel|"
                   r"paged_slots_check_kernel|update_copy_kernel|validate_starts_kernel|attend_combine_kernel|attend_kernel|"
-                  r"rollback_kernel|select_plan_kernel|select_move_kernel|ring_validate_kernel|ring_copy_kernel|ring_quant_kernel)"
+                  r"rollback_kernel|select_plan_kernel|select_move_kernel|ring_validate_kernel|ring_copy_kernel|ring_quant_kernel|"
+                  r"reset_rows_kernel|nan_unless_start_zero_kernel)"
+                  r"(?=[IE])"
                   r"(I(f|N3c108BFloat16E|N3c104HalfE)(f|a|S\d*_|N(?:S\d*_|3c10)13Float8_e4m3fnE|LN\S+?KvFormatE(\d)E)?(Li(\d+)E)?)?",
                   name)
     if not m:

@@ -131,6 +131,177 @@ __device__ __forceinline__ void load_tile_at(float* kv_s, int pitch, const RowAt
   }
 }
 
+// A block's place in the attention kernels' tile loop: its shared-memory
+// arrays (R query rows, tiles of N slots) and this thread's role in them.
+struct TileCtx {
+  float* kv_s;         // N x pitch: the K tile, then the V tile
+  const float* q_s;    // R x D
+  float* acc_s;        // R x D
+  float* p_s;          // R x N: scores, then probabilities
+  float* m_s;          // R: running max
+  float* l_s;          // R: running sum
+  float* alpha_s;      // R: this tile's rescale of the accumulator
+  const int64_t* lo_s;  // R: the row's visible slots [lo, hi)
+  const int64_t* hi_s;
+  int pitch, N, P, D;
+  int rows;  // rows of this block's tile (<= R)
+  int tid, jl, part, warp, lane;  // jl: this thread's slot, part: its share of the dot
+  float softcap;
+};
+
+// The block's TileCtx (rows: set per row tile), this thread's place from
+// threadIdx.x: slot jl of a tile and part `part` of its dot product (N * P
+// = kThreads), warp and lane.
+__device__ __forceinline__ TileCtx tile_ctx(float* kv_s, const float* q_s, float* acc_s,
+                                            float* p_s, float* m_s, float* l_s, float* alpha_s,
+                                            const int64_t* lo_s, const int64_t* hi_s, int pitch,
+                                            int N, int P, int D, float softcap) {
+  TileCtx t;
+  t.kv_s = kv_s;
+  t.q_s = q_s;
+  t.acc_s = acc_s;
+  t.p_s = p_s;
+  t.m_s = m_s;
+  t.l_s = l_s;
+  t.alpha_s = alpha_s;
+  t.lo_s = lo_s;
+  t.hi_s = hi_s;
+  t.pitch = pitch;
+  t.N = N;
+  t.P = P;
+  t.D = D;
+  t.rows = 0;
+  t.tid = threadIdx.x;
+  t.jl = t.tid / P;
+  t.part = t.tid - t.jl * P;
+  t.warp = t.tid / 32;
+  t.lane = t.tid & 31;
+  t.softcap = softcap;
+  return t;
+}
+
+// One tile of the block's slots, [j0, j0 + n): K tile -> scores of R rows x
+// N slots (each thread one slot, all R rows: a K element is read once per R
+// multiply-adds; P threads share a slot's dot product and reduce with warp
+// shuffles) -> online softmax per row (float32) -> V tile -> accumulate.
+// The one tile step of attend_kernel (linear caches, rings) and
+// paged_attend_kernel (pages); what the layouts differ in comes as functors:
+//   load_k(), load_v(): every thread helps fill kv_s with the tile's keys /
+//     values (unreadable slots as zeros);
+//   key_scale(jl): the score multiplier of tile slot jl < n (the softmax
+//     scale, times a quantized cache's key scale);
+//   seen(r, jl, j): whether row r sees slot j = j0 + jl, called for j in the
+//     row's [lo, hi) (rings decide by position; pages refuse a bad page and
+//     flag the row);
+//   value_scale(c): a quantized cache's value scale of tile slot c, called
+//     for seen slots only.
+// skip_zero: the accumulation skips weights of 0 (a ring's unseen slots
+// inside [lo, hi) may hold anything: 0 * Inf is NaN). Starts by loading the
+// K tile (kv_s and p_s free) and ends with a barrier, after which kv_s and
+// p_s may be overwritten.
+template <int R, bool kQuant, typename LoadK, typename LoadV, typename KeyScale, typename Seen,
+          typename ValueScale>
+__device__ __forceinline__ void attend_tile(const TileCtx& t, int64_t j0, int n, bool skip_zero,
+                                            const LoadK& load_k, const LoadV& load_v,
+                                            const KeyScale& key_scale, const Seen& seen,
+                                            const ValueScale& value_scale) {
+  const int N = t.N, D = t.D;
+  load_k();
+  __syncthreads();
+
+  // Scores: thread (jl, part) sums d = part, part + P, ... for all R rows.
+  float dot[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) dot[r] = 0.f;
+  if (t.jl < n) {
+    const float* krow = t.kv_s + t.jl * t.pitch;
+    for (int d = t.part; d < D; d += t.P) {
+      const float kd = krow[d];
+#pragma unroll
+      for (int r = 0; r < R; ++r) dot[r] += t.q_s[r * D + d] * kd;
+    }
+  }
+  // The P threads of a slot are adjacent lanes of one warp (P divides 32).
+  for (int off = t.P / 2; off > 0; off /= 2) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], off);
+  }
+  if (t.part == 0) {
+    const int64_t j = j0 + t.jl;
+    const float qscale = t.jl < n ? key_scale(t.jl) : 0.f;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float s = -INFINITY;
+      if (t.jl < n && j >= t.lo_s[r] && j < t.hi_s[r] && seen(r, t.jl, j)) {
+        s = dot[r] * qscale;
+        if (t.softcap > 0.f) s = t.softcap * tanhf(s / t.softcap);
+      }
+      t.p_s[r * N + t.jl] = s;
+    }
+  }
+  __syncthreads();
+
+  // Online softmax, one warp per row.
+  for (int r = t.warp; r < t.rows; r += kWarps) {
+    float mx = -INFINITY;
+    for (int c = t.lane; c < N; c += 32) mx = fmaxf(mx, t.p_s[r * N + c]);
+    for (int off = 16; off > 0; off /= 2) {
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    }
+    const float m_old = t.m_s[r];
+    const float m_new = fmaxf(m_old, mx);
+    float sum = 0.f;
+    for (int c = t.lane; c < N; c += 32) {
+      const float sc = t.p_s[r * N + c];
+      const float e = sc == -INFINITY ? 0.f : expf(sc - m_new);
+      // A quantized cache's value scale joins the probability after the
+      // row sum (only seen slots, e != 0, are read).
+      float pv = e;
+      if constexpr (kQuant) {
+        if (e != 0.f) pv = e * value_scale(c);
+      }
+      t.p_s[r * N + c] = pv;
+      sum += e;
+    }
+    for (int off = 16; off > 0; off /= 2) {
+      sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    }
+    if (t.lane == 0) {
+      // m_old = -inf: nothing seen yet, the accumulator is zero.
+      const float alpha = m_old == -INFINITY ? 0.f : expf(m_old - m_new);
+      t.alpha_s[r] = alpha;
+      t.l_s[r] = t.l_s[r] * alpha + sum;
+      t.m_s[r] = m_new;
+    }
+  }
+  // The K tile is no longer read (barrier above): V replaces it.
+  load_v();
+  __syncthreads();
+
+  // acc[r][d] = acc * alpha + sum over the row's visible slots of p * v.
+  // Only visible slots are touched: a probability of 0 never multiplies a
+  // value (0 * Inf would be NaN).
+  for (int idx = t.tid; idx < t.rows * D; idx += kThreads) {
+    const int r = idx / D;
+    const int d = idx - r * D;
+    float acc = t.acc_s[idx] * t.alpha_s[r];
+    const int64_t from = t.lo_s[r] - j0;
+    const int64_t to = t.hi_s[r] - j0;
+    const int c0 = from > 0 ? static_cast<int>(from) : 0;
+    const int c1 = to < n ? static_cast<int>(to > 0 ? to : 0) : n;
+    if (skip_zero) {
+      for (int c = c0; c < c1; ++c) {
+        const float w = t.p_s[r * N + c];
+        if (w > 0.f) acc += w * t.kv_s[c * t.pitch + d];
+      }
+    } else {
+      for (int c = c0; c < c1; ++c) acc += t.p_s[r * N + c] * t.kv_s[c * t.pitch + d];
+    }
+    t.acc_s[idx] = acc;
+  }
+  __syncthreads();  // before the next tile overwrites kv_s and p_s
+}
+
 // 16-byte loads of a (row or page, KV head, slot, element) buffer:
 // contiguous rows, and every address they form a multiple of 16 bytes.
 inline bool allows_vec(const void* data, const int64_t* stride, const int64_t* size,

@@ -24,7 +24,8 @@
 // union, which lies within [kv_start, length): NaN or Inf in unused slots
 // never reaches the result.
 //
-// Per block, over tiles of N slots: K tile -> shared memory (float), scores
+// Per block, over tiles of N slots (attend_common.cuh: attend_tile, the
+// tile step paged_attend shares): K tile -> shared memory (float), scores
 // of R rows x N slots (each thread one slot, all R rows: a K element is read
 // once per R multiply-adds; P threads share a slot's dot product and reduce
 // with warp shuffles), online softmax per row (float32), V tile -> shared
@@ -243,118 +244,31 @@ __global__ void __launch_bounds__(kThreads)
     ksp = a.k_scale + b * a.kss[0] + kvh * a.kss[1];
     vsp = a.v_scale + b * a.vss[0] + kvh * a.vss[1];
   }
-  const int P = a.parts;
-  const int jl = tid / P;  // this thread's slot in a tile (N * P = kThreads)
-  const int part = tid - jl * P;
-  const int warp = tid / 32;
-  const int lane = tid & 31;
+  TileCtx t = tile_ctx(kv_s, q_s, acc_s, p_s, m_s, l_s, alpha_s, lo_s, hi_s, a.pitch, N,
+                       a.parts, D, a.softcap);
+  t.rows = rows;
+  const bool ring = a.positions != nullptr;
 
   for (int64_t j0 = s0; j0 < s1; j0 += N) {
     const int n = s1 - j0 < N ? static_cast<int>(s1 - j0) : N;
-    load_tile(kv_s, a.pitch, kp, a.ks[2], a.ks[3], j0, n, D, a.k_vec);
-    __syncthreads();
-
-    // Scores: thread (jl, part) sums d = part, part + P, ... for all R rows.
-    float dot[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) dot[r] = 0.f;
-    if (jl < n) {
-      const float* krow = kv_s + jl * a.pitch;
-      for (int d = part; d < D; d += P) {
-        const float kd = krow[d];
-#pragma unroll
-        for (int r = 0; r < R; ++r) dot[r] += q_s[r * D + d] * kd;
-      }
-    }
-    // The P threads of a slot are adjacent lanes of one warp (P divides 32).
-    for (int off = P / 2; off > 0; off /= 2) {
-#pragma unroll
-      for (int r = 0; r < R; ++r) dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], off);
-    }
-    if (part == 0) {
-      const int64_t j = j0 + jl;
-      float qscale = a.scale;
-      if constexpr (kQuantizedKV<TKV>) {
-        if (jl < n) qscale *= ksp[j * a.kss[2]];  // the slot's key scale
-      }
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        float s = -INFINITY;
-        bool seen = jl < n && j >= lo_s[r] && j < hi_s[r];
-        if (seen && a.positions != nullptr) {
-          seen = detail::sees(a.positions[b * a.ps[0] + j * a.ps[1]], qpos_s[r],
-                              rb.first, a.window, a.sinks);
-        }
-        if (seen) {
-          s = dot[r] * qscale;
-          if (a.softcap > 0.f) s = a.softcap * tanhf(s / a.softcap);
-        }
-        p_s[r * N + jl] = s;
-      }
-    }
-    __syncthreads();
-
-    // Online softmax, one warp per row.
-    for (int r = warp; r < rows; r += kWarps) {
-      float mx = -INFINITY;
-      for (int c = lane; c < N; c += 32) mx = fmaxf(mx, p_s[r * N + c]);
-      for (int off = 16; off > 0; off /= 2) {
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-      }
-      const float m_old = m_s[r];
-      const float m_new = fmaxf(m_old, mx);
-      float sum = 0.f;
-      for (int c = lane; c < N; c += 32) {
-        const float s = p_s[r * N + c];
-        const float e = s == -INFINITY ? 0.f : expf(s - m_new);
-        // A quantized cache's value scale joins the probability after the
-        // row sum (only visible slots, e != 0, are read).
-        float pv = e;
-        if constexpr (kQuantizedKV<TKV>) {
-          if (e != 0.f) pv = e * vsp[(j0 + c) * a.vss[2]];
-        }
-        p_s[r * N + c] = pv;
-        sum += e;
-      }
-      for (int off = 16; off > 0; off /= 2) {
-        sum += __shfl_xor_sync(0xffffffffu, sum, off);
-      }
-      if (lane == 0) {
-        // m_old = -inf: nothing seen yet, the accumulator is zero.
-        const float alpha = m_old == -INFINITY ? 0.f : expf(m_old - m_new);
-        alpha_s[r] = alpha;
-        l_s[r] = l_s[r] * alpha + sum;
-        m_s[r] = m_new;
-      }
-    }
-    // The K tile is no longer read (barrier above): V replaces it.
-    load_tile(kv_s, a.pitch, vp, a.vs[2], a.vs[3], j0, n, D, a.v_vec);
-    __syncthreads();
-
-    // acc[r][d] = acc * alpha + sum over the row's visible slots of p * v.
-    // Only visible slots are touched: a probability of 0 never multiplies a
-    // value (0 * Inf would be NaN).
-    for (int idx = tid; idx < rows * D; idx += kThreads) {
-      const int r = idx / D;
-      const int d = idx - r * D;
-      float acc = acc_s[idx] * alpha_s[r];
-      const int64_t from = lo_s[r] - j0;
-      const int64_t to = hi_s[r] - j0;
-      const int c0 = from > 0 ? static_cast<int>(from) : 0;
-      const int c1 = to < n ? static_cast<int>(to > 0 ? to : 0) : n;
-      if (a.positions != nullptr) {
-        // A ring's tile holds slots the row does not see (weight 0), whose
-        // values may be anything (empty, stale): skip them.
-        for (int c = c0; c < c1; ++c) {
-          const float w = p_s[r * N + c];
-          if (w > 0.f) acc += w * kv_s[c * a.pitch + d];
-        }
-      } else {
-        for (int c = c0; c < c1; ++c) acc += p_s[r * N + c] * kv_s[c * a.pitch + d];
-      }
-      acc_s[idx] = acc;
-    }
-    __syncthreads();  // before the next tile overwrites kv_s and p_s
+    attend_tile<R, kQuantizedKV<TKV>>(
+        t, j0, n, ring,
+        [&] { load_tile(kv_s, a.pitch, kp, a.ks[2], a.ks[3], j0, n, D, a.k_vec); },
+        [&] { load_tile(kv_s, a.pitch, vp, a.vs[2], a.vs[3], j0, n, D, a.v_vec); },
+        [&](int jl) {
+          float qscale = a.scale;
+          if constexpr (kQuantizedKV<TKV>) qscale *= ksp[(j0 + jl) * a.kss[2]];  // the slot's key scale
+          return qscale;
+        },
+        [&](int r, int, int64_t j) {
+          return !ring || detail::sees(a.positions[b * a.ps[0] + j * a.ps[1]], qpos_s[r],
+                                       rb.first, a.window, a.sinks);
+        },
+        [&](int c) {
+          float sc = 1.f;
+          if constexpr (kQuantizedKV<TKV>) sc = vsp[(j0 + c) * a.vss[2]];
+          return sc;
+        });
   }
 
   // Rings: split 0 counts every visible slot of its rows (positions only,

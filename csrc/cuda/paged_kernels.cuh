@@ -41,10 +41,11 @@
 //
 // ---- paged_attend ---------------------------------------------------------
 //
-// A separate kernel from attend.cu's, on its pieces (attend_common.cuh: tile
-// loader, shared-memory plan, device limits; core/merge.h: the split merge)
-// and its per-tile algorithm (K tile -> scores of R rows x N slots ->
-// online softmax -> V tile -> accumulate; see attend.cu). What differs:
+// A separate kernel from attend_kernels.cuh's with the same tile step
+// (attend_common.cuh: attend_tile, K tile -> scores of R rows x N slots ->
+// online softmax -> V tile -> accumulate, with the pages' loaders, key and
+// value scales and bad-page rule as its functors), tile loader and
+// shared-memory plan, and core/merge.h's split merge. What differs:
 //  - K/V slots are found through the block table: per tile, N threads look
 //    up the page and offset of the tile's slots once (shared memory) and the
 //    loader reads slot jl at page_s[jl] * page_stride + off_s[jl] * ld;
@@ -374,16 +375,14 @@ __global__ void __launch_bounds__(kThreads, 3) paged_attend_kernel(const PagedAr
   }
   const int32_t* table = a.table + s * a.bts[0];
   const uint32_t bs = static_cast<uint32_t>(a.block_size);
-  const int P = a.parts;
-  const int jl = tid / P;  // this thread's slot in a tile (N * P = kThreads)
-  const int part = tid - jl * P;
-  const int warp = tid / 32;
-  const int lane = tid & 31;
+  TileCtx t = tile_ctx(kv_s, q_s, acc_s, p_s, m_s, l_s, alpha_s, lo_s, hi_s, a.pitch, N,
+                       a.parts, D, a.softcap);
 
   for (int64_t tile = slice; tile < tiles; tile += a.slices) {
     const int64_t row0 = tile * R;
     const int64_t rem = rows_total - row0;
     const int rows = rem < R ? static_cast<int>(rem) : R;
+    t.rows = rows;
 
     if (tid < R) {
       int64_t lo = 0, hi = 0;
@@ -447,105 +446,45 @@ __global__ void __launch_bounds__(kThreads, 3) paged_attend_kernel(const PagedAr
         off_s[tid] = static_cast<int32_t>(j - blk * bs);
       }
       __syncthreads();
-      load_tile_at<TKV>(
-          kv_s, a.pitch,
-          [&](int c) -> const TKV* {
-            const int32_t pg = page_s[c];
-            return pg < 0 ? nullptr : kbase + pg * a.ks[0] + off_s[c] * a.ks[2];
+      attend_tile<R, kQuantizedKV<TKV>>(
+          t, j0, n, false,
+          [&] {
+            load_tile_at<TKV>(
+                kv_s, a.pitch,
+                [&](int c) -> const TKV* {
+                  const int32_t pg = page_s[c];
+                  return pg < 0 ? nullptr : kbase + pg * a.ks[0] + off_s[c] * a.ks[2];
+                },
+                a.ks[3], n, D, a.k_vec);
           },
-          a.ks[3], n, D, a.k_vec);
-      __syncthreads();
-
-      float dot[R];
-#pragma unroll
-      for (int r = 0; r < R; ++r) dot[r] = 0.f;
-      if (jl < n) {
-        const float* krow = kv_s + jl * a.pitch;
-        for (int d = part; d < D; d += P) {
-          const float kd = krow[d];
-#pragma unroll
-          for (int r = 0; r < R; ++r) dot[r] += q_s[r * D + d] * kd;
-        }
-      }
-      for (int off = P / 2; off > 0; off /= 2) {
-#pragma unroll
-        for (int r = 0; r < R; ++r) dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], off);
-      }
-      if (part == 0) {
-        const int64_t j = j0 + jl;
-        const int32_t pg = jl < n ? page_s[jl] : -1;
-        float qscale = a.scale;
-        if constexpr (kQuantizedKV<TKV>) {
-          if (pg >= 0) qscale *= ksp[pg * a.kss[0] + off_s[jl] * a.kss[2]];
-        }
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          float sc = -INFINITY;
-          const bool seen = jl < n && j >= lo_s[r] && j < hi_s[r];
-          if (seen && pg < 0) bad_s[r] = 1;  // a page this row needs is bad
-          if (seen && pg >= 0) {
-            sc = dot[r] * qscale;
-            if (a.softcap > 0.f) sc = a.softcap * tanhf(sc / a.softcap);
-          }
-          p_s[r * N + jl] = sc;
-        }
-      }
-      __syncthreads();
-
-      // Online softmax, one warp per row.
-      for (int r = warp; r < rows; r += kWarps) {
-        float mx = -INFINITY;
-        for (int c = lane; c < N; c += 32) mx = fmaxf(mx, p_s[r * N + c]);
-        for (int off = 16; off > 0; off /= 2) {
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-        }
-        const float m_old = m_s[r];
-        const float m_new = fmaxf(m_old, mx);
-        float sum = 0.f;
-        for (int c = lane; c < N; c += 32) {
-          const float sc = p_s[r * N + c];
-          const float e = sc == -INFINITY ? 0.f : expf(sc - m_new);
-          float pv = e;
-          if constexpr (kQuantizedKV<TKV>) {
-            // e != 0 only for visible slots of good pages (c < n).
-            if (e != 0.f) pv = e * vsp[page_s[c] * a.vss[0] + off_s[c] * a.vss[2]];
-          }
-          p_s[r * N + c] = pv;
-          sum += e;
-        }
-        for (int off = 16; off > 0; off /= 2) {
-          sum += __shfl_xor_sync(0xffffffffu, sum, off);
-        }
-        if (lane == 0) {
-          const float alpha = m_old == -INFINITY ? 0.f : expf(m_old - m_new);
-          alpha_s[r] = alpha;
-          l_s[r] = l_s[r] * alpha + sum;
-          m_s[r] = m_new;
-        }
-      }
-      load_tile_at<TKV>(
-          kv_s, a.pitch,
-          [&](int c) -> const TKV* {
-            const int32_t pg = page_s[c];
-            return pg < 0 ? nullptr : vbase + pg * a.vs[0] + off_s[c] * a.vs[2];
+          [&] {
+            load_tile_at<TKV>(
+                kv_s, a.pitch,
+                [&](int c) -> const TKV* {
+                  const int32_t pg = page_s[c];
+                  return pg < 0 ? nullptr : vbase + pg * a.vs[0] + off_s[c] * a.vs[2];
+                },
+                a.vs[3], n, D, a.v_vec);
           },
-          a.vs[3], n, D, a.v_vec);
-      __syncthreads();
-
-      // acc = acc * alpha + sum over the row's visible slots of p * v (a bad
-      // page's slots have p = 0 and zero values).
-      for (int idx = tid; idx < rows * D; idx += kThreads) {
-        const int r = idx / D;
-        const int d = idx - r * D;
-        float acc = acc_s[idx] * alpha_s[r];
-        const int64_t from = lo_s[r] - j0;
-        const int64_t to = hi_s[r] - j0;
-        const int c0 = from > 0 ? static_cast<int>(from) : 0;
-        const int c1 = to < n ? static_cast<int>(to > 0 ? to : 0) : n;
-        for (int c = c0; c < c1; ++c) acc += p_s[r * N + c] * kv_s[c * a.pitch + d];
-        acc_s[idx] = acc;
-      }
-      __syncthreads();  // before the next tile overwrites kv_s, p_s, page_s
+          [&](int c) {
+            float qscale = a.scale;
+            if constexpr (kQuantizedKV<TKV>) {
+              const int32_t pg = page_s[c];
+              if (pg >= 0) qscale *= ksp[pg * a.kss[0] + off_s[c] * a.kss[2]];
+            }
+            return qscale;
+          },
+          [&](int r, int c, int64_t) {
+            if (page_s[c] >= 0) return true;
+            bad_s[r] = 1;  // a page this row needs is bad: its slots are not read
+            return false;
+          },
+          [&](int c) {
+            // Seen slots only: their pages are good.
+            float sc = 1.f;
+            if constexpr (kQuantizedKV<TKV>) sc = vsp[page_s[c] * a.vss[0] + off_s[c] * a.vss[2]];
+            return sc;
+          });
     }
 
     if (tid < rows && bad_s[tid]) l_s[tid] = NAN;
