@@ -156,6 +156,16 @@ TEST_CASE("emulated CUDA attend: chunks and prefill (several row tiles), kv_star
   }
 }
 
+TEST_CASE("emulated CUDA attend: head_dim 128 and 256 under a small shared-memory limit, 16 query heads a KV head", "[cuda-emulated]") {
+  const DeviceLimits small{48 * 1024, 4};
+  for (int64_t D : {int64_t{128}, int64_t{256}}) {
+    INFO("head_dim " << D);
+    check(make_call(2, 4, 2, 1, 90, D, {90, 33}, at::kHalf, at::kHalf), small);
+  }
+  // 3 queries x 16 heads: row tiles cross query positions.
+  check(make_call(1, 16, 1, 3, 40, 32, {40}, at::kFloat, at::kFloat), kSmallGpu);
+}
+
 TEST_CASE("emulated CUDA attend: strided caches and odd head_dim take element loads", "[cuda-emulated]") {
   // Keys and values viewed out of a wider buffer: rows 20 floats apart, not
   // a multiple of 16 bytes.

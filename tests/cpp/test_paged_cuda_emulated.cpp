@@ -194,6 +194,29 @@ TEST_CASE("emulated CUDA paged_attend: prefill and mixed batches (4 and 16 rows 
   }
 }
 
+TEST_CASE("emulated CUDA paged_attend: head_dim 128 and 256 under a small shared-memory limit", "[cuda-emulated]") {
+  // 48 KiB and 4 SMs: narrower tiles (N = 8 for head_dim 256 with 16-row
+  // blocks), still split for the decodes.
+  const DeviceLimits small{48 * 1024, 4};
+  for (int64_t D : {int64_t{128}, int64_t{256}}) {
+    INFO("head_dim " << D);
+    check_attend(make_batch({70, 9}, {1, 6}, 8, 2, D, 16, at::kBFloat16, KvFormat::kPlain), small);
+  }
+}
+
+TEST_CASE("emulated CUDA paged_attend: pages of 1 and 3 slots, shared pages, empty sequences", "[cuda-emulated]") {
+  for (int64_t bs : {int64_t{1}, int64_t{3}}) {
+    INFO("block_size " << bs);
+    // Sequences 1 and 3 are empty (no query; sequence 3 no context either).
+    Batch b = make_batch({40, 17, 23, 0}, {1, 0, 5, 0}, 4, 2, 16, bs, at::kFloat, KvFormat::kPlain);
+    // Sequence 2 starts with sequence 0's first pages (a shared prefix).
+    b.block_table = b.block_table.clone();
+    b.block_table[2].slice(0, 0, 4).copy_(b.block_table[0].slice(0, 0, 4));
+    check_attend(b, kBigGpu);
+    check_attend(b, kSmallGpu);
+  }
+}
+
 TEST_CASE("emulated CUDA paged_attend: window, softcap and sink logits", "[cuda-emulated]") {
   Batch b = make_batch({200, 45, 3}, {1, 5, 3}, 4, 1, 32, 16, at::kFloat, KvFormat::kPlain);
   b.window = 24;
@@ -341,9 +364,10 @@ void check_plain_write(const WriteCase& c) {
 }  // namespace
 
 TEST_CASE("emulated CUDA paged_write_: plain pages bit-exact, inline and global slot checks", "[cuda-emulated]") {
-  // 37 tokens: every block checks the mapping itself; 600: the check kernel
-  // over a hash table in scratch sets a flag the write kernel reads.
-  for (int64_t tokens : {37, 600}) {
+  // Up to 512 tokens every block checks the mapping itself; past it the
+  // check kernel over a hash table in scratch sets a flag the write kernel
+  // reads.
+  for (int64_t tokens : {37, 512, 513}) {
     for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
       for (bool strided : {false, true}) {
         INFO("tokens " << tokens << " dtype " << dt << " strided " << strided);
@@ -360,7 +384,7 @@ TEST_CASE("emulated CUDA paged_write_: plain pages bit-exact, inline and global 
 }
 
 TEST_CASE("emulated CUDA paged_write_: a bad slot mapping writes nothing", "[cuda-emulated]") {
-  for (int64_t tokens : {37, 600}) {
+  for (int64_t tokens : {37, 512, 513}) {
     for (int bad : {0, 1, 2}) {
       INFO("tokens " << tokens << " case " << bad);
       WriteCase c = make_write(tokens, 90, 8, 3, 8, at::kFloat, at::kFloat, false);
