@@ -16,6 +16,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "../core/merge.h"
+
 // A kernel's dynamic shared memory as `T* name` (16-byte aligned for
 // float4). The CUDA emulator of the host tests defines its own.
 #ifndef KVCACHE_EXTERN_SMEM
@@ -300,6 +302,39 @@ __device__ __forceinline__ void attend_tile(const TileCtx& t, int64_t j0, int n,
     t.acc_s[idx] = acc;
   }
   __syncthreads();  // before the next tile overwrites kv_s and p_s
+}
+
+// The combine kernels' merge of one output row (attend_combine_kernel,
+// paged_combine_kernel): partial `prow` of every split, (max, sum) in
+// part_ml and the accumulator in part_acc, merged by core/merge.h's rule
+// (the CPU's merge_parts calls the same function) into out[d * out_stride].
+// Thread 0 weighs the splits (at most kMaxSplits: a short serial loop), then
+// every thread merges its elements. sink_logit: the row's head's learned
+// sink, when has_sink. Every thread of the block calls it (a barrier).
+template <typename T>
+__device__ __forceinline__ void merge_split_row(T* out, int64_t out_stride, int D, int splits,
+                                                int64_t total_rows, int64_t prow,
+                                                const float* part_ml, const float* part_acc,
+                                                bool has_sink, float sink_logit) {
+  __shared__ float w_s[kMaxSplits];
+  __shared__ float factor_s;
+  if (threadIdx.x == 0) {
+    factor_s = detail::merge_splits(
+        splits,
+        [&](int64_t sp, float* m, float* l) {
+          const int64_t at = sp * total_rows + prow;
+          *m = part_ml[2 * at];
+          *l = part_ml[2 * at + 1];
+        },
+        [](float x) { return expf(x); }, has_sink, sink_logit, w_s);
+  }
+  __syncthreads();
+  const float f = factor_s;
+  for (int d = threadIdx.x; d < D; d += kCombineThreads) {
+    const float o = detail::merged_sum(
+        splits, w_s, [&](int64_t sp) { return part_acc[(sp * total_rows + prow) * D + d]; });
+    out[d * out_stride] = static_cast<T>(o * f);
+  }
 }
 
 // 16-byte loads of a (row or page, KV head, slot, element) buffer:

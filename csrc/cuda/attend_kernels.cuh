@@ -333,8 +333,6 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T>
 __global__ void __launch_bounds__(kCombineThreads)
     attend_combine_kernel(const AttnArgs a) {
-  __shared__ float w_s[kMaxSplits];
-  __shared__ float factor_s;
   const int64_t prow = blockIdx.x;
   const int64_t i = prow % a.seq;
   const int64_t bh = prow / a.seq;
@@ -356,28 +354,9 @@ __global__ void __launch_bounds__(kCombineThreads)
     }
     return;
   }
-  // One thread weighs the splits (at most kMaxSplits: a short serial loop,
-  // as the max over them was), every thread then merges its elements.
-  if (threadIdx.x == 0) {
-    const bool has_sink = a.sink_logits != nullptr;
-    factor_s = detail::merge_splits(
-        a.splits,
-        [&](int64_t s, float* m, float* l) {
-          const int64_t at = s * a.total_rows + prow;
-          *m = a.part_ml[2 * at];
-          *l = a.part_ml[2 * at + 1];
-        },
-        [](float x) { return expf(x); }, has_sink,
-        has_sink ? a.sink_logits[h * a.sink_stride] : 0.f, w_s);
-  }
-  __syncthreads();
-  const float f = factor_s;
-  for (int d = threadIdx.x; d < D; d += kCombineThreads) {
-    const float o = detail::merged_sum(a.splits, w_s, [&](int64_t s) {
-      return a.part_acc[(s * a.total_rows + prow) * D + d];
-    });
-    out[d * a.os[3]] = static_cast<T>(o * f);
-  }
+  const bool has_sink = a.sink_logits != nullptr;
+  merge_split_row(out, a.os[3], D, a.splits, a.total_rows, prow, a.part_ml, a.part_acc, has_sink,
+                  has_sink ? a.sink_logits[h * a.sink_stride] : 0.f);
 }
 
 // ============================================================ host side

@@ -377,6 +377,17 @@ __global__ void __launch_bounds__(kThreads, 3) paged_attend_kernel(const PagedAr
   const uint32_t bs = static_cast<uint32_t>(a.block_size);
   TileCtx t = tile_ctx(kv_s, q_s, acc_s, p_s, m_s, l_s, alpha_s, lo_s, hi_s, a.pitch, N,
                        a.parts, D, a.softcap);
+  // The K or V tile of n slots through the tile's pages (page_s, off_s);
+  // a bad page's slots are zeros and never read.
+  const auto load_pages = [&](const TKV* base, const int64_t* st, bool vec, int n) {
+    load_tile_at<TKV>(
+        kv_s, a.pitch,
+        [&](int c) -> const TKV* {
+          const int32_t pg = page_s[c];
+          return pg < 0 ? nullptr : base + pg * st[0] + off_s[c] * st[2];
+        },
+        st[3], n, D, vec);
+  };
 
   for (int64_t tile = slice; tile < tiles; tile += a.slices) {
     const int64_t row0 = tile * R;
@@ -448,24 +459,8 @@ __global__ void __launch_bounds__(kThreads, 3) paged_attend_kernel(const PagedAr
       __syncthreads();
       attend_tile<R, kQuantizedKV<TKV>>(
           t, j0, n, false,
-          [&] {
-            load_tile_at<TKV>(
-                kv_s, a.pitch,
-                [&](int c) -> const TKV* {
-                  const int32_t pg = page_s[c];
-                  return pg < 0 ? nullptr : kbase + pg * a.ks[0] + off_s[c] * a.ks[2];
-                },
-                a.ks[3], n, D, a.k_vec);
-          },
-          [&] {
-            load_tile_at<TKV>(
-                kv_s, a.pitch,
-                [&](int c) -> const TKV* {
-                  const int32_t pg = page_s[c];
-                  return pg < 0 ? nullptr : vbase + pg * a.vs[0] + off_s[c] * a.vs[2];
-                },
-                a.vs[3], n, D, a.v_vec);
-          },
+          [&] { load_pages(kbase, a.ks, a.k_vec, n); },
+          [&] { load_pages(vbase, a.vs, a.v_vec, n); },
           [&](int c) {
             float qscale = a.scale;
             if constexpr (kQuantizedKV<TKV>) {
@@ -526,8 +521,6 @@ __global__ void __launch_bounds__(kThreads, 3) paged_attend_kernel(const PagedAr
 // batch was consistent; otherwise the row is NaN.
 template <typename T>
 __global__ void __launch_bounds__(kCombineThreads) paged_combine_kernel(const PagedArgs a) {
-  __shared__ float w_s[kMaxSplits];
-  __shared__ float factor_s;
   const int64_t prow = blockIdx.x;
   const int64_t h = prow % a.num_heads;
   const int64_t t = prow / a.num_heads;
@@ -541,26 +534,9 @@ __global__ void __launch_bounds__(kCombineThreads) paged_combine_kernel(const Pa
     for (int d = threadIdx.x; d < D; d += kCombineThreads) out[d * a.os[2]] = static_cast<T>(0.f);
     return;
   }
-  if (threadIdx.x == 0) {
-    const bool has_sink = a.sink_logits != nullptr;
-    factor_s = detail::merge_splits(
-        a.splits,
-        [&](int64_t sp, float* m, float* l) {
-          const int64_t at = sp * a.total_rows + prow;
-          *m = a.part_ml[2 * at];
-          *l = a.part_ml[2 * at + 1];
-        },
-        [](float x) { return expf(x); }, has_sink,
-        has_sink ? a.sink_logits[h * a.sink_stride] : 0.f, w_s);
-  }
-  __syncthreads();
-  const float f = factor_s;
-  for (int d = threadIdx.x; d < D; d += kCombineThreads) {
-    const float o = detail::merged_sum(a.splits, w_s, [&](int64_t sp) {
-      return a.part_acc[(sp * a.total_rows + prow) * D + d];
-    });
-    out[d * a.os[2]] = static_cast<T>(o * f);
-  }
+  const bool has_sink = a.sink_logits != nullptr;
+  merge_split_row(out, a.os[2], D, a.splits, a.total_rows, prow, a.part_ml, a.part_acc, has_sink,
+                  has_sink ? a.sink_logits[h * a.sink_stride] : 0.f);
 }
 
 // A batch of no sequence: the output's bytes become 0xff (NaN) unless
