@@ -42,17 +42,19 @@
 #include "../ops/attend.h"
 #include "../ops/paged.h"
 #include "attend_plan.h"
+// VecGeneric's 32-byte vectors pass by value between inline functions;
+// GCC's note that their ABI differs without AVX concerns library
+// boundaries, which they never cross. It is silenced for the rest of the
+// file from here: VecGeneric's own functions (attend_vec.h) draw it when
+// they are not inlined (-O1, the sanitizer build), and the templates that
+// use them are instantiated at the end.
+#pragma GCC diagnostic ignored "-Wpsabi"
 #include "attend_vec.h"
 #include "helpers.h"
 
 namespace kvcache {
 namespace attend_cpu {
 
-// VecGeneric's 32-byte vectors pass by value between inline functions;
-// GCC's note that their ABI differs without AVX concerns library
-// boundaries, which they never cross. Templates are instantiated at the end
-// of the file, so the note is silenced for all of it.
-#pragma GCC diagnostic ignored "-Wpsabi"
 namespace isa_generic {
 using Vec = VecGeneric;
 #include "attend_kernel.h"  // NOLINT(build/include): instantiated per ISA
