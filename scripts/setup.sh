@@ -35,13 +35,14 @@ fi
 echo "== installing $TORCH_SPEC and the build/test requirements"
 # torch is pinned so pip never resolves (and downloads) another release.
 # Build: setuptools >= 77, ninja (optional: parallel compiles) and build
-# (python -m build, for scripts/check_wheel.sh); the rest is for the tests,
+# (python -m build, for scripts/check_wheel.sh); the rest is for the tests
+# (pytest-xdist: scripts/test.sh runs pytest in worker processes),
 # demo and benchmarks, and the `hf` extra's packages (transformers, and gguf
 # + accelerate, which transformers needs to load the GGUF model of
 # examples/hf_generate.py and examples/hf_speculative.py): installed here, so
 # the examples run after this script with no second install and no rebuild.
 pip_quiet "$TORCH_SPEC" "setuptools>=77" ninja \
-  build numpy pytest expecttest "hypothesis==6.168.3" tqdm matplotlib \
+  build numpy pytest "pytest-xdist==3.8.0" expecttest "hypothesis==6.168.3" tqdm matplotlib \
   "transformers==5.24.0" "gguf==0.19.0" "accelerate==1.15.0"
 python -c "import torch" >/dev/null  # fail here, clearly, if torch did not install
 # The documentation tools (scripts/docs.sh, a CI step), pinned: Sphinx with autodoc/napoleon,
