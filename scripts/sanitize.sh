@@ -21,9 +21,10 @@
 #     alive on purpose at exit).
 #
 # Cost on an idle 2-core AMD EPYC Zen 4, MAX_JOBS=2: the first sanitizer
-# build 199 s (398 s when the library was built at -O3); ctest 111 s (the 47
-# CPU cases twice, on the AVX2 and the AVX-512 paths, and the 30 emulated
-# CUDA cases once); the Python tests 12 s (test_properties ci profile, 300
+# build 199 s (398 s when the library was built at -O3); ctest, its cases
+# run 2 at a time (each case is a process, mostly LibTorch start-up under
+# ASan), 61 s (111 s one at a time) for the 47 CPU cases twice, on the
+# AVX2 and the AVX-512 paths, and the 30 emulated CUDA cases once; the Python tests 12 s (test_properties ci profile, 300
 # examples per property, plus the bounds/aliasing/autograd/tensor-kind tests).
 # The script prints each figure.
 #
@@ -102,15 +103,15 @@ NO_UAR="${ASAN_OPTIONS/detect_stack_use_after_return=1/detect_stack_use_after_re
 EMULATED="^emulated CUDA"
 if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then
   echo "== ctest under ASan/UBSan/LSan, AVX2 path, use-after-return detection on"
-  KVCACHE_ATTEND_ISA=avx2 ctest --test-dir "$BUILD" --output-on-failure -E "$EMULATED"
+  KVCACHE_ATTEND_ISA=avx2 ctest --test-dir "$BUILD" -j "$JOBS" --output-on-failure -E "$EMULATED"
   echo "== ctest under ASan/UBSan/LSan, AVX-512 paths and the emulated CUDA kernels, use-after-return detection off"
-  ASAN_OPTIONS="$NO_UAR" ctest --test-dir "$BUILD" --output-on-failure
+  ASAN_OPTIONS="$NO_UAR" ctest --test-dir "$BUILD" -j "$JOBS" --output-on-failure
   PY_ASAN_OPTIONS="$NO_UAR"
 else
   echo "== ctest under ASan/UBSan/LSan"
-  ctest --test-dir "$BUILD" --output-on-failure -E "$EMULATED"
+  ctest --test-dir "$BUILD" -j "$JOBS" --output-on-failure -E "$EMULATED"
   echo "== the emulated CUDA kernels under ASan/UBSan/LSan, use-after-return detection off"
-  ASAN_OPTIONS="$NO_UAR" ctest --test-dir "$BUILD" --output-on-failure -R "$EMULATED"
+  ASAN_OPTIONS="$NO_UAR" ctest --test-dir "$BUILD" -j "$JOBS" --output-on-failure -R "$EMULATED"
   PY_ASAN_OPTIONS="$ASAN_OPTIONS"
 fi
 t2=$(date +%s)

@@ -18,7 +18,8 @@ cmake -S . -B build/cmake -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DKVCACHE_PREBUILT_PACKAGE="$PWD/python/kvcache" \
   -DCMAKE_PREFIX_PATH="$(python -c 'import torch; print(torch.utils.cmake_prefix_path)')" >/dev/null
 cmake --build build/cmake -j "$(nproc)"
-ctest --test-dir build/cmake --output-on-failure
+# -j: each Catch2 case is its own process, most of its time LibTorch start-up.
+ctest --test-dir build/cmake -j "$(nproc)" --output-on-failure
 echo "== C++ build and tests took $(( $(date +%s) - start ))s"
 
 # pytest in worker processes (pytest-xdist), one a core up to 4
