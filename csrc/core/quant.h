@@ -28,6 +28,8 @@ namespace kvcache {
 namespace detail {
 
 enum class KvFormat : int32_t { kPlain = 0, kInt8 = 1, kFp8 = 2 };
+// The element type of the new keys and values a quantized write reads.
+enum class FloatDtype : int32_t { kFloat32, kBFloat16, kFloat16 };
 
 // Largest magnitude of each format (the scale maps absmax onto it).
 constexpr float kInt8Max = 127.f;

@@ -167,12 +167,9 @@ static __global__ void __launch_bounds__(kGlobalCheckThreads)
 
 struct WriteArgs {
   cuda::CopyPlan pair[2];  // plain pages: keys, values
-  const char* src[2];
-  int64_t ss[2][3];  // bytes: token, head, element
-  char* dst[2];
-  int64_t ds[2][4];  // bytes: page, slot in page, head, element
-  float* scale[2];
-  int64_t cs[2][3];  // elements: page, slot in page, head
+  // src: bytes per token, head, element; dst: bytes per page, slot in page,
+  // head, element; scales: elements per page, slot in page, head.
+  cuda::QuantSides<3, 4> io;
   IntRows slots;
   int64_t n, heads, head_dim, block_size, total_slots;
   const int32_t* flag;  // the large-write check's verdict; nullptr: check here
@@ -192,14 +189,12 @@ static __global__ void paged_write_copy_kernel(const WriteArgs a) {
   const int64_t slot = detail::read_row(a.slots, t);
   if (slot < 0) return;
   const int64_t page = slot / a.block_size, off = slot - page * a.block_size;
-  // Select by value (see update.cu: a runtime index into the parameter
-  // arrays would copy them to local memory).
+  // Select by value (see cuda::quant_side: a runtime index into the
+  // parameter arrays would copy them to local memory).
   const cuda::CopyPlan p = which ? a.pair[1] : a.pair[0];
-  const int64_t ds0 = which ? a.ds[1][0] : a.ds[0][0];
-  const int64_t ds1 = which ? a.ds[1][1] : a.ds[0][1];
-  const int64_t ss0 = which ? a.ss[1][0] : a.ss[0][0];
-  cuda::copy_rows_planned(p, p.dst.data + page * ds0 + off * ds1, p.src.data + t * ss0,
-                          a.heads);
+  const auto s = cuda::quant_side(a.io, which);
+  cuda::copy_rows_planned(p, p.dst.data + page * s.ds[0] + off * s.ds[1],
+                          p.src.data + t * s.ss[0], a.heads);
 }
 
 template <typename T, KvFormat F>
@@ -211,23 +206,15 @@ __global__ void __launch_bounds__(kQuantWarps * 32) paged_write_quant_kernel(con
   const int64_t slot = detail::read_row(a.slots, t);
   if (slot < 0) return;
   const int64_t page = slot / a.block_size, off = slot - page * a.block_size;
-  const char* src = which ? a.src[1] : a.src[0];
-  char* dst = which ? a.dst[1] : a.dst[0];
-  float* scale = which ? a.scale[1] : a.scale[0];
-  int64_t ss[3], ds[4], cs[3];
-  for (int k = 0; k < 3; ++k) {
-    ss[k] = which ? a.ss[1][k] : a.ss[0][k];
-    cs[k] = which ? a.cs[1][k] : a.cs[0][k];
-  }
-  for (int k = 0; k < 4; ++k) ds[k] = which ? a.ds[1][k] : a.ds[0][k];
-  src += t * ss[0];
-  dst += page * ds[0] + off * ds[1];
-  scale += page * cs[0] + off * cs[1];
+  const auto s = cuda::quant_side(a.io, which);
+  const char* src = s.src + t * s.ss[0];
+  char* dst = s.dst + page * s.ds[0] + off * s.ds[1];
+  float* scale = s.scale + page * s.cs[0] + off * s.cs[1];
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   for (int64_t h = static_cast<int64_t>(blockIdx.y) * kQuantWarps + warp; h < a.heads;
        h += static_cast<int64_t>(gridDim.y) * kQuantWarps) {
-    cuda::quantize_slot<T, F>(src + h * ss[1], ss[2], dst + h * ds[2], ds[3], scale + h * cs[2],
-                              a.head_dim, lane);
+    cuda::quantize_slot<T, F>(src + h * s.ss[1], s.ss[2], dst + h * s.ds[2], s.ds[3],
+                              scale + h * s.cs[2], a.head_dim, lane);
   }
 }
 
@@ -552,21 +539,6 @@ static __global__ void nan_unless_start_zero_kernel(unsigned char* out, int64_t 
 
 // ============================================================ host side
 
-template <KvFormat F, typename Rt>
-void launch_write_quant(const PagedWriteParams& p, const WriteArgs& a, dim3 grid, Rt& rt) {
-  switch (p.src_dtype) {
-    case at::kBFloat16:
-      rt.launch(paged_write_quant_kernel<c10::BFloat16, F>, grid, dim3(kQuantWarps * 32), 0, a);
-      break;
-    case at::kHalf:
-      rt.launch(paged_write_quant_kernel<c10::Half, F>, grid, dim3(kQuantWarps * 32), 0, a);
-      break;
-    default:
-      rt.launch(paged_write_quant_kernel<float, F>, grid, dim3(kQuantWarps * 32), 0, a);
-      break;
-  }
-}
-
 template <typename Rt>
 void run_paged_write(const PagedWriteParams& p, Rt& rt) {
   // The entry skips empty writes; nothing to do for them here either.
@@ -584,14 +556,14 @@ void run_paged_write(const PagedWriteParams& p, Rt& rt) {
   float* scale[2] = {p.k_scale, p.v_scale};
   const int64_t* cs[2] = {p.ks_stride, p.vs_stride};
   for (int w = 0; w < 2; ++w) {
-    a.src[w] = src[w];
-    a.dst[w] = dst[w];
-    a.scale[w] = scale[w];
+    a.io.src[w] = src[w];
+    a.io.dst[w] = dst[w];
+    a.io.scale[w] = scale[w];
     for (int k = 0; k < 3; ++k) {
-      a.ss[w][k] = ss[w][k];
-      a.cs[w][k] = cs[w][k];
+      a.io.ss[w][k] = ss[w][k];
+      a.io.cs[w][k] = cs[w][k];
     }
-    for (int k = 0; k < 4; ++k) a.ds[w][k] = ds[w][k];
+    for (int k = 0; k < 4; ++k) a.io.ds[w][k] = ds[w][k];
   }
   a.slots = p.slots;
   a.n = p.num_tokens;
@@ -634,11 +606,17 @@ void run_paged_write(const PagedWriteParams& p, Rt& rt) {
   const int64_t tiles = (p.num_kv_heads + kQuantWarps - 1) / kQuantWarps;
   const dim3 grid(static_cast<unsigned>(2 * p.num_tokens),
                   static_cast<unsigned>(tiles < 65535 ? tiles : 65535));
-  if (p.format == KvFormat::kInt8) {
-    launch_write_quant<KvFormat::kInt8>(p, a, grid, rt);
-  } else {
-    launch_write_quant<KvFormat::kFp8>(p, a, grid, rt);
-  }
+  const detail::FloatDtype src_type = p.src_dtype == at::kBFloat16 ? detail::FloatDtype::kBFloat16
+                                      : p.src_dtype == at::kHalf   ? detail::FloatDtype::kFloat16
+                                                                   : detail::FloatDtype::kFloat32;
+  cuda::with_src_type(src_type, [&](auto t) {
+    using T = decltype(t);
+    if (p.format == KvFormat::kInt8) {
+      rt.launch(paged_write_quant_kernel<T, KvFormat::kInt8>, grid, dim3(kQuantWarps * 32), 0, a);
+    } else {
+      rt.launch(paged_write_quant_kernel<T, KvFormat::kFp8>, grid, dim3(kQuantWarps * 32), 0, a);
+    }
+  });
 }
 
 template <typename T, typename TKV, typename Rt>

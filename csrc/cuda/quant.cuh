@@ -5,6 +5,9 @@
 // csrc/core/quant.h). Every lane of the warp must call it.
 #pragma once
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
 #include <cstdint>
 
 #include "../core/quant.h"
@@ -33,6 +36,76 @@ __device__ __forceinline__ void quantize_slot(const char* row, int64_t src_elem,
                                      : detail::to_e4m3_bits(y);
   }
   if (lane == 0) *scale = sc;
+}
+
+// The key and value sides of a quantized write, as one kernel argument:
+// source and destination byte strides (SD and DD of them: slab or page
+// geometry), the scales' element strides. A block writes one side.
+template <int SD, int DD>
+struct QuantSides {
+  const char* src[2];
+  int64_t ss[2][SD];
+  char* dst[2];
+  int64_t ds[2][DD];
+  float* scale[2];
+  int64_t cs[2][3];
+};
+
+template <int SD, int DD>
+struct QuantSide {
+  const char* src;
+  int64_t ss[SD];
+  char* dst;
+  int64_t ds[DD];
+  float* scale;
+  int64_t cs[3];
+};
+
+// Side `which` (0: keys, 1: values), selected by value: indexing the
+// parameter arrays with a runtime index would copy the whole parameter
+// block to local memory.
+template <int SD, int DD>
+__device__ __forceinline__ QuantSide<SD, DD> quant_side(const QuantSides<SD, DD>& a,
+                                                        bool which) {
+  QuantSide<SD, DD> s;
+  s.src = which ? a.src[1] : a.src[0];
+  s.dst = which ? a.dst[1] : a.dst[0];
+  s.scale = which ? a.scale[1] : a.scale[0];
+  for (int k = 0; k < SD; ++k) s.ss[k] = which ? a.ss[1][k] : a.ss[0][k];
+  for (int k = 0; k < DD; ++k) s.ds[k] = which ? a.ds[1][k] : a.ds[0][k];
+  for (int k = 0; k < 3; ++k) s.cs[k] = which ? a.cs[1][k] : a.cs[0][k];
+  return s;
+}
+
+// The sides of a write into (batch, heads, slots, head_dim) slabs: a linear
+// cache's or a ring's (ops/update.h, ops/ring.h: src/dst rows with byte
+// strides, scales with element strides).
+template <typename Src, typename Dst>
+QuantSides<4, 4> slab_sides(const Src (&src)[2], const Dst (&dst)[2], float* const (&scale)[2],
+                            const int64_t (&scale_stride)[2][3]) {
+  QuantSides<4, 4> a{};
+  for (int w = 0; w < 2; ++w) {
+    a.src[w] = src[w].data;
+    a.dst[w] = dst[w].data;
+    a.scale[w] = scale[w];
+    for (int k = 0; k < 4; ++k) {
+      a.ss[w][k] = src[w].stride[k];
+      a.ds[w][k] = dst[w].stride[k];
+    }
+    for (int k = 0; k < 3; ++k) a.cs[w][k] = scale_stride[w][k];
+  }
+  return a;
+}
+
+// Calls f(T{}) for the source element type T of a quantized write (the
+// host's choice of kernel instance).
+template <typename Fn>
+void with_src_type(detail::FloatDtype dtype, Fn&& f) {
+  switch (dtype) {
+    case detail::FloatDtype::kFloat32: return f(float{});
+    case detail::FloatDtype::kBFloat16: return f(c10::BFloat16{});
+    case detail::FloatDtype::kFloat16: return f(c10::Half{});
+  }
 }
 
 }  // namespace cuda

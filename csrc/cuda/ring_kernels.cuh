@@ -160,12 +160,7 @@ void run_ring_update(const RingUpdateParams& p, Rt& rt) {
 constexpr int kQuantWarps = 8;  // tokens per block (one warp each)
 
 struct RingQuantArgs {
-  const char* src[2];
-  int64_t src_stride[2][4];  // bytes
-  char* dst[2];
-  int64_t dst_stride[2][4];  // bytes
-  float* scale[2];
-  int64_t scale_stride[2][3];  // elements
+  cuda::QuantSides<4, 4> io;  // strides: batch, head, slot, element (scales: no element)
   int32_t* positions;
   int64_t pos_stride[2];
   unsigned slabs;  // batch * heads
@@ -184,20 +179,10 @@ __global__ void ring_quant_kernel(const RingQuantArgs a) {
   const int64_t end = detail::read_row(a.lengths_out, b);
   if (end < a.chunk || end > INT32_MAX) return;  // -1: a bad start somewhere
   const int64_t start = end - a.chunk;
-  // Select by value: indexing the parameter arrays with a runtime index
-  // would copy the whole parameter block to local memory.
-  const char* src = which ? a.src[1] : a.src[0];
-  char* dst = which ? a.dst[1] : a.dst[0];
-  float* scale = which ? a.scale[1] : a.scale[0];
-  int64_t ss[4], ds[4], cs[3];
-  for (int k = 0; k < 4; ++k) {
-    ss[k] = which ? a.src_stride[1][k] : a.src_stride[0][k];
-    ds[k] = which ? a.dst_stride[1][k] : a.dst_stride[0][k];
-  }
-  for (int k = 0; k < 3; ++k) cs[k] = which ? a.scale_stride[1][k] : a.scale_stride[0][k];
-  src += b * ss[0] + h * ss[1];
-  dst += b * ds[0] + h * ds[1];
-  scale += b * cs[0] + h * cs[1];
+  const auto s = cuda::quant_side(a.io, which);
+  const char* src = s.src + b * s.ss[0] + h * s.ss[1];
+  char* dst = s.dst + b * s.ds[0] + h * s.ds[1];
+  float* scale = s.scale + b * s.cs[0] + h * s.cs[1];
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   for (int64_t t = static_cast<int64_t>(blockIdx.y) * kQuantWarps + warp;
        t < a.chunk; t += static_cast<int64_t>(gridDim.y) * kQuantWarps) {
@@ -205,26 +190,12 @@ __global__ void ring_quant_kernel(const RingQuantArgs a) {
     if (!detail::ring_keeps(p, end, a.sinks, a.capacity)) continue;  // warp-uniform
     const int64_t slot = detail::ring_slot(p, a.sinks, a.capacity);
     if (a.head_dim > 0) {  // warp-uniform: no scale for an empty slot (as CPU)
-      cuda::quantize_slot<T, F>(src + t * ss[2], ss[3], dst + slot * ds[2], ds[3],
-                                scale + slot * cs[2], a.head_dim, lane);
+      cuda::quantize_slot<T, F>(src + t * s.ss[2], s.ss[3], dst + slot * s.ds[2], s.ds[3],
+                                scale + slot * s.cs[2], a.head_dim, lane);
     }
     if (which == 0 && h == 0 && lane == 0) {
       a.positions[b * a.pos_stride[0] + slot * a.pos_stride[1]] = static_cast<int32_t>(p);
     }
-  }
-}
-
-template <detail::KvFormat F, typename Rt>
-void launch_ring_quant_format(const detail::RingQuantUpdateParams& q, const RingQuantArgs& a,
-                              dim3 grid, Rt& rt) {
-  const dim3 block(kQuantWarps * 32);
-  switch (q.src_dtype) {
-    case detail::FloatDtype::kFloat32:
-      return rt.launch(ring_quant_kernel<float, F>, grid, block, 0, a);
-    case detail::FloatDtype::kBFloat16:
-      return rt.launch(ring_quant_kernel<c10::BFloat16, F>, grid, block, 0, a);
-    case detail::FloatDtype::kFloat16:
-      return rt.launch(ring_quant_kernel<c10::Half, F>, grid, block, 0, a);
   }
 }
 
@@ -243,16 +214,7 @@ void run_ring_update_quantized(const detail::RingQuantUpdateParams& q, Rt& rt) {
   // still run for the positions.
   if (slabs == 0 || p.chunk == 0) return;
   RingQuantArgs a{};
-  for (int w = 0; w < 2; ++w) {
-    a.src[w] = p.src[w].data;
-    a.dst[w] = p.dst[w].data;
-    a.scale[w] = q.scale[w];
-    for (int k = 0; k < 4; ++k) {
-      a.src_stride[w][k] = p.src[w].stride[k];
-      a.dst_stride[w][k] = p.dst[w].stride[k];
-    }
-    for (int k = 0; k < 3; ++k) a.scale_stride[w][k] = q.scale_stride[w][k];
-  }
+  a.io = cuda::slab_sides(p.src, p.dst, q.scale, q.scale_stride);
   a.positions = p.positions;
   a.pos_stride[0] = p.pos_stride[0];
   a.pos_stride[1] = p.pos_stride[1];
@@ -266,11 +228,15 @@ void run_ring_update_quantized(const detail::RingQuantUpdateParams& q, Rt& rt) {
   const int64_t tiles = (p.chunk + kQuantWarps - 1) / kQuantWarps;
   const dim3 grid(static_cast<unsigned>(2 * slabs),
                   static_cast<unsigned>(tiles < 65535 ? tiles : 65535));
-  if (q.format == detail::KvFormat::kInt8) {
-    launch_ring_quant_format<detail::KvFormat::kInt8>(q, a, grid, rt);
-  } else {
-    launch_ring_quant_format<detail::KvFormat::kFp8>(q, a, grid, rt);
-  }
+  const dim3 block(kQuantWarps * 32);
+  cuda::with_src_type(q.src_dtype, [&](auto t) {
+    using T = decltype(t);
+    if (q.format == detail::KvFormat::kInt8) {
+      rt.launch(ring_quant_kernel<T, detail::KvFormat::kInt8>, grid, block, 0, a);
+    } else {
+      rt.launch(ring_quant_kernel<T, detail::KvFormat::kFp8>, grid, block, 0, a);
+    }
+  });
 }
 
 }  // namespace ring_kernels

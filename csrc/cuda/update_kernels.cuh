@@ -169,12 +169,7 @@ void run_update(const UpdateParams& p, Rt& rt) {
 constexpr int kQuantWarps = 8;
 
 struct QuantArgs {
-  const char* src[2];
-  int64_t src_stride[2][4];  // bytes
-  char* dst[2];
-  int64_t dst_stride[2][4];  // bytes
-  float* scale[2];
-  int64_t scale_stride[2][3];  // elements
+  cuda::QuantSides<4, 4> io;  // strides: batch, head, slot, element (scales: no element)
   unsigned slabs, heads;
   int64_t chunk, head_dim, max_len;
   bool device_starts;
@@ -201,37 +196,15 @@ __global__ void quant_update_kernel(const QuantArgs a) {
     if (end < a.chunk || end > a.max_len) return;  // a bad row: write nothing
     start = end - a.chunk;
   }
-  const char* src = which ? a.src[1] : a.src[0];
-  char* dst = which ? a.dst[1] : a.dst[0];
-  float* scale = which ? a.scale[1] : a.scale[0];
-  int64_t ss[4], ds[4], cs[3];
-  for (int k = 0; k < 4; ++k) {
-    ss[k] = which ? a.src_stride[1][k] : a.src_stride[0][k];
-    ds[k] = which ? a.dst_stride[1][k] : a.dst_stride[0][k];
-  }
-  for (int k = 0; k < 3; ++k) cs[k] = which ? a.scale_stride[1][k] : a.scale_stride[0][k];
-  src += b * ss[0] + h * ss[1];
-  dst += b * ds[0] + h * ds[1] + start * ds[2];
-  scale += b * cs[0] + h * cs[1] + start * cs[2];
+  const auto s = cuda::quant_side(a.io, which);
+  const char* src = s.src + b * s.ss[0] + h * s.ss[1];
+  char* dst = s.dst + b * s.ds[0] + h * s.ds[1] + start * s.ds[2];
+  float* scale = s.scale + b * s.cs[0] + h * s.cs[1] + start * s.cs[2];
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   for (int64_t t = static_cast<int64_t>(blockIdx.y) * kQuantWarps + warp;
        t < a.chunk; t += static_cast<int64_t>(gridDim.y) * kQuantWarps) {
-    cuda::quantize_slot<T, F>(src + t * ss[2], ss[3], dst + t * ds[2], ds[3],
-                              scale + t * cs[2], a.head_dim, lane);
-  }
-}
-
-template <detail::KvFormat F, typename Rt>
-void launch_quant_format(const detail::QuantUpdateParams& q, const QuantArgs& a, dim3 grid,
-                         Rt& rt) {
-  const dim3 block(kQuantWarps * 32);
-  switch (q.src_dtype) {
-    case detail::FloatDtype::kFloat32:
-      return rt.launch(quant_update_kernel<float, F>, grid, block, 0, a);
-    case detail::FloatDtype::kBFloat16:
-      return rt.launch(quant_update_kernel<c10::BFloat16, F>, grid, block, 0, a);
-    case detail::FloatDtype::kFloat16:
-      return rt.launch(quant_update_kernel<c10::Half, F>, grid, block, 0, a);
+    cuda::quantize_slot<T, F>(src + t * s.ss[2], s.ss[3], dst + t * s.ds[2], s.ds[3],
+                              scale + t * s.cs[2], a.head_dim, lane);
   }
 }
 
@@ -243,16 +216,7 @@ void run_quant_update(const detail::QuantUpdateParams& q, Rt& rt) {
   const bool write = slabs > 0 && p.chunk > 0 && p.head_dim > 0 &&
                      p.chunk <= p.max_len;
   QuantArgs a{};
-  for (int w = 0; w < 2; ++w) {
-    a.src[w] = p.src[w].data;
-    a.dst[w] = p.dst[w].data;
-    a.scale[w] = q.scale[w];
-    for (int k = 0; k < 4; ++k) {
-      a.src_stride[w][k] = p.src[w].stride[k];
-      a.dst_stride[w][k] = p.dst[w].stride[k];
-    }
-    for (int k = 0; k < 3; ++k) a.scale_stride[w][k] = q.scale_stride[w][k];
-  }
+  a.io = cuda::slab_sides(p.src, p.dst, q.scale, q.scale_stride);
   a.slabs = 0;
   a.heads = 1;
   a.chunk = p.chunk;
@@ -279,11 +243,15 @@ void run_quant_update(const detail::QuantUpdateParams& q, Rt& rt) {
     }
     if (!write) return;
   }
-  if (q.format == detail::KvFormat::kInt8) {
-    launch_quant_format<detail::KvFormat::kInt8>(q, a, grid, rt);
-  } else {
-    launch_quant_format<detail::KvFormat::kFp8>(q, a, grid, rt);
-  }
+  const dim3 block(kQuantWarps * 32);
+  cuda::with_src_type(q.src_dtype, [&](auto t) {
+    using T = decltype(t);
+    if (q.format == detail::KvFormat::kInt8) {
+      rt.launch(quant_update_kernel<T, detail::KvFormat::kInt8>, grid, block, 0, a);
+    } else {
+      rt.launch(quant_update_kernel<T, detail::KvFormat::kFp8>, grid, block, 0, a);
+    }
+  });
 }
 
 }  // namespace update_kernels

@@ -90,7 +90,6 @@ extern DeviceStub<UpdateFn> update_stub;
 // dst the int8/fp8 buffers and its src the new data in `src_dtype`; each
 // (row, head, slot) of the chunk also gets its scale in scale[0] (keys) /
 // scale[1] (values), float32 (batch, heads, max_len) with element strides.
-enum class FloatDtype : int32_t { kFloat32, kBFloat16, kFloat16 };
 struct QuantUpdateParams {
   UpdateParams base;
   KvFormat format = KvFormat::kInt8;
