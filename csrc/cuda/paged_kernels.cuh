@@ -609,13 +609,9 @@ void run_paged_write(const PagedWriteParams& p, Rt& rt) {
   const detail::FloatDtype src_type = p.src_dtype == at::kBFloat16 ? detail::FloatDtype::kBFloat16
                                       : p.src_dtype == at::kHalf   ? detail::FloatDtype::kFloat16
                                                                    : detail::FloatDtype::kFloat32;
-  cuda::with_src_type(src_type, [&](auto t) {
-    using T = decltype(t);
-    if (p.format == KvFormat::kInt8) {
-      rt.launch(paged_write_quant_kernel<T, KvFormat::kInt8>, grid, dim3(kQuantWarps * 32), 0, a);
-    } else {
-      rt.launch(paged_write_quant_kernel<T, KvFormat::kFp8>, grid, dim3(kQuantWarps * 32), 0, a);
-    }
+  cuda::with_quant_types(src_type, p.format, [&](auto t, auto f) {
+    rt.launch(paged_write_quant_kernel<decltype(t), decltype(f)::value>, grid,
+              dim3(kQuantWarps * 32), 0, a);
   });
 }
 

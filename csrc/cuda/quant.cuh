@@ -9,6 +9,7 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../core/quant.h"
 
@@ -97,14 +98,22 @@ QuantSides<4, 4> slab_sides(const Src (&src)[2], const Dst (&dst)[2], float* con
   return a;
 }
 
-// Calls f(T{}) for the source element type T of a quantized write (the
-// host's choice of kernel instance).
+// Calls f(T{}, Format{}) for a quantized write's source element type T and
+// its format (Format::value: kInt8, or kFp8): the host's choice of kernel
+// instance.
 template <typename Fn>
-void with_src_type(detail::FloatDtype dtype, Fn&& f) {
+void with_quant_types(detail::FloatDtype dtype, detail::KvFormat format, Fn&& f) {
+  auto with_format = [&](auto t) {
+    if (format == detail::KvFormat::kInt8) {
+      f(t, std::integral_constant<detail::KvFormat, detail::KvFormat::kInt8>{});
+    } else {
+      f(t, std::integral_constant<detail::KvFormat, detail::KvFormat::kFp8>{});
+    }
+  };
   switch (dtype) {
-    case detail::FloatDtype::kFloat32: return f(float{});
-    case detail::FloatDtype::kBFloat16: return f(c10::BFloat16{});
-    case detail::FloatDtype::kFloat16: return f(c10::Half{});
+    case detail::FloatDtype::kFloat32: return with_format(float{});
+    case detail::FloatDtype::kBFloat16: return with_format(c10::BFloat16{});
+    case detail::FloatDtype::kFloat16: return with_format(c10::Half{});
   }
 }
 

@@ -229,13 +229,8 @@ void run_ring_update_quantized(const detail::RingQuantUpdateParams& q, Rt& rt) {
   const dim3 grid(static_cast<unsigned>(2 * slabs),
                   static_cast<unsigned>(tiles < 65535 ? tiles : 65535));
   const dim3 block(kQuantWarps * 32);
-  cuda::with_src_type(q.src_dtype, [&](auto t) {
-    using T = decltype(t);
-    if (q.format == detail::KvFormat::kInt8) {
-      rt.launch(ring_quant_kernel<T, detail::KvFormat::kInt8>, grid, block, 0, a);
-    } else {
-      rt.launch(ring_quant_kernel<T, detail::KvFormat::kFp8>, grid, block, 0, a);
-    }
+  cuda::with_quant_types(q.src_dtype, q.format, [&](auto t, auto f) {
+    rt.launch(ring_quant_kernel<decltype(t), decltype(f)::value>, grid, block, 0, a);
   });
 }
 

@@ -244,13 +244,8 @@ void run_quant_update(const detail::QuantUpdateParams& q, Rt& rt) {
     if (!write) return;
   }
   const dim3 block(kQuantWarps * 32);
-  cuda::with_src_type(q.src_dtype, [&](auto t) {
-    using T = decltype(t);
-    if (q.format == detail::KvFormat::kInt8) {
-      rt.launch(quant_update_kernel<T, detail::KvFormat::kInt8>, grid, block, 0, a);
-    } else {
-      rt.launch(quant_update_kernel<T, detail::KvFormat::kFp8>, grid, block, 0, a);
-    }
+  cuda::with_quant_types(q.src_dtype, q.format, [&](auto t, auto f) {
+    rt.launch(quant_update_kernel<decltype(t), decltype(f)::value>, grid, block, 0, a);
   });
 }
 
