@@ -13,8 +13,9 @@
 //  * __syncthreads[_or|_and|_count]: released when every non-returned thread has arrived
 //    (returned threads count as arrived). __syncwarp, __shfl*_sync, __ballot/__any/__all_sync:
 //    a barrier among the lanes named in `mask`, with PTX shfl.sync width/clamp semantics.
-//  * Dynamic shared memory (KVCACHE_EXTERN_SMEM), refilled with 0xff bytes (float NaN) before
-//    every block, so reads of never-written dynamic shared memory are visible.
+//  * Shared memory, dynamic (KVCACHE_EXTERN_SMEM) and static (`__shared__` variables, kept in
+//    one linker section, kvemu_shared), refilled with 0xff bytes (float NaN, integer -1) before
+//    every block, so reads of shared memory the block never wrote are visible.
 //  * Loud errors (message on stderr + abort): deadlock, warp op naming a returned lane,
 //    mismatched warp-op masks/kinds, xor-shuffle from an inactive lane, exceptions in kernels.
 // What it does NOT emulate:
@@ -23,8 +24,6 @@
 //    run concurrently (inter-block spin-waits hang forever).
 //  * No timing/occupancy, no limits on shared memory or registers, no lock-step warps: lanes of
 //    a warp only meet inside warp ops (warp-synchronous code without __syncwarp is not modeled).
-//  * Static `__shared__` arrays are NOT poisoned between blocks (they keep the previous block's
-//    data and are zero at program start); only dynamic shared memory is poisoned.
 //  * Not thread-safe: one launch at a time per process; no nested launches.
 // Works with -fsanitize=address,undefined (fiber switches are annotated for ASan).
 #pragma once
@@ -74,7 +73,15 @@
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __restrict__ __restrict
-#define __shared__ static
+// Every static `__shared__` variable of the program lands in section kvemu_shared, which the
+// linker brackets with __start_kvemu_shared / __stop_kvemu_shared (GNU ld, lld and gold do so
+// for a section named like a C identifier); run_block poisons it. GCC leaves variables in a
+// named section out of ASan's global redzones, so the memset touches nothing ASan guards.
+#define __shared__ static __attribute__((section("kvemu_shared")))
+extern "C" {
+extern char __start_kvemu_shared[] __attribute__((weak, visibility("hidden")));
+extern char __stop_kvemu_shared[] __attribute__((weak, visibility("hidden")));
+}
 // `KVCACHE_EXTERN_SMEM(float4, s);` replaces `extern __shared__ float4 s[];` (16-byte aligned).
 #define KVCACHE_EXTERN_SMEM(T, name) T* const name = reinterpret_cast<T*>(::kvemu::detail::dynamic_smem())
 #define __expf(x) expf(x)
@@ -404,6 +411,10 @@ inline void run_block(Launch& L, unsigned lin) {
   const dim3 g = L.grid;
   blockIdx = {lin % g.x, lin / g.x % g.y, lin / (g.x * g.y)};
   if (L.smem_bytes) std::memset(L.smem, 0xff, L.smem_bytes);  // poison: NaN floats
+  if (__start_kvemu_shared != nullptr && __stop_kvemu_shared > __start_kvemu_shared) {
+    std::memset(__start_kvemu_shared, 0xff,
+                static_cast<size_t>(__stop_kvemu_shared - __start_kvemu_shared));
+  }
   for (unsigned t = 0; t < L.nthreads; ++t) init_fiber(L, t);
   std::vector<unsigned> order;
   for (;;) {  // phase: run every ready fiber until it blocks or returns, then release barriers
