@@ -21,11 +21,12 @@
 #     alive on purpose at exit).
 #
 # Cost on an idle 2-core AMD EPYC Zen 4, MAX_JOBS=2: the first sanitizer
-# build 199 s (398 s when the library was built at -O3); ctest, its cases
-# run 2 at a time (each case is a process, mostly LibTorch start-up under
-# ASan), 61 s (111 s one at a time) for the 47 CPU cases twice, on the
-# AVX2 and the AVX-512 paths, and the 30 emulated CUDA cases once; the Python tests 12 s (test_properties ci profile, 300
-# examples per property, plus the bounds/aliasing/autograd/tensor-kind tests).
+# build 190 s (398 s when the library was built at -O3); ctest 58 s, its
+# cases run 2 at a time (each is a process, mostly LibTorch start-up under
+# ASan; 111 s one at a time): the 47 CPU cases twice, on the AVX2 and the
+# AVX-512 paths, and the 31 emulated CUDA cases once; the Python tests 13 s
+# (test_properties ci profile, 300 examples per property, plus the
+# bounds/aliasing/autograd/tensor-kind tests).
 # The script prints each figure.
 #
 # Proof that it catches a real bug: an off-by-one bound check (start <=

@@ -31,16 +31,17 @@ echo "== C++ build and tests took $(( $(date +%s) - start ))s"
 # 2 workers and passive waits.
 workers=${KVCACHE_TEST_WORKERS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}
 python -c "import xdist" 2>/dev/null || workers=1
-pytest_par=()
+pytest_par=() pytest_env=()
 if [ "$workers" -gt 1 ]; then
   pytest_par=(-n "$workers")
-  export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+  pytest_env=(OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}")
 fi
 
 # After the C++ build: the TorchScript test runs build/cmake/kvcache_run.
 echo "== pytest (${workers} workers)"
 start=$(date +%s)
-KVCACHE_RUNNER="$PWD/build/cmake/kvcache_run" python -m pytest -q -p no:cacheprovider "${pytest_par[@]}" tests/python
+env "${pytest_env[@]}" KVCACHE_RUNNER="$PWD/build/cmake/kvcache_run" \
+  python -m pytest -q -p no:cacheprovider "${pytest_par[@]}" tests/python
 echo "== pytest took $(( $(date +%s) - start ))s"
 
 # kvcache.hf supports transformers 5.18 to 5.24 (kvcache/hf/_compat.py): the HF tests again on the
