@@ -181,6 +181,12 @@ KvFormat format_of(at::ScalarType t) {
                                    : KvFormat::kPlain;
 }
 
+FloatDtype float_dtype_of(at::ScalarType t) {
+  return t == at::kFloat      ? FloatDtype::kFloat32
+         : t == at::kBFloat16 ? FloatDtype::kBFloat16
+                              : FloatDtype::kFloat16;
+}
+
 void check_scale_tensor(const at::Tensor& t, const char* name,
                         const at::Tensor& keys) {
   check_dense(t, name);

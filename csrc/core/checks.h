@@ -100,6 +100,10 @@ void check_cache(const at::Tensor& keys, const at::Tensor& values);
 // quantized caches (core/quant.h); any other dtype is kPlain.
 KVCACHE_API KvFormat format_of(at::ScalarType t);
 
+// The source dtype of a quantized write's new keys and values (float32,
+// bfloat16 or float16, checked by the caller).
+KVCACHE_API FloatDtype float_dtype_of(at::ScalarType t);
+
 // A quantized cache's scale tensor (k_scale / v_scale): dense float32
 // (batch, num_kv_heads, max_len) matching `keys`, on its device.
 void check_scale_tensor(const at::Tensor& t, const char* name,

@@ -42,10 +42,9 @@ void paged_write_cpu(const PagedWriteParams& p) {
   w.head_dim = p.head_dim;
   w.format = p.format;
   if (quantized) {
-    w.elem = p.src_dtype == at::kFloat ? 4 : 2;  // the source's (the pages hold one byte)
-    w.source = p.src_dtype == at::kBFloat16 ? cpu::SlotWrite::Source::kBFloat16
-               : p.src_dtype == at::kHalf   ? cpu::SlotWrite::Source::kFloat16
-                                            : cpu::SlotWrite::Source::kFloat32;
+    // The source's element size (the pages hold one byte).
+    w.elem = p.src_dtype == detail::FloatDtype::kFloat32 ? 4 : 2;
+    w.source = p.src_dtype;
   } else {
     w.elem = p.elem_size;
   }

@@ -136,10 +136,7 @@ void ring_update_quantized_cpu(const detail::RingQuantUpdateParams& q) {
     w.scale_head[b] = q.scale_stride[b][1];
   }
   w.format = q.format;
-  w.source = q.src_dtype == detail::FloatDtype::kBFloat16 ? cpu::SlotWrite::Source::kBFloat16
-             : q.src_dtype == detail::FloatDtype::kFloat16
-                 ? cpu::SlotWrite::Source::kFloat16
-                 : cpu::SlotWrite::Source::kFloat32;
+  w.source = q.src_dtype;
   ring_write(q.ring, w, q.scale, q.scale_stride);
 }
 

@@ -51,7 +51,6 @@ struct SlotRun {
 
 // The geometry and format shared by every run of one call.
 struct SlotWrite {
-  enum class Source { kFloat32, kBFloat16, kFloat16 };
   // Byte strides of keys (0) and values (1) between consecutive tokens of a
   // run, heads of a token and elements of a head.
   int64_t src_token[2] = {}, src_head[2] = {}, src_elem[2] = {};
@@ -62,7 +61,7 @@ struct SlotWrite {
   int64_t head_dim = 0;
   int64_t elem = 0;  // bytes per source element (a plain write: per cache element too)
   detail::KvFormat format = detail::KvFormat::kPlain;
-  Source source = Source::kFloat32;  // quantized writes: the new data's dtype
+  detail::FloatDtype source = detail::FloatDtype::kFloat32;  // quantized writes: the new data's dtype
 };
 
 // Copies n tokens x heads x head_dim between byte-strided blocks, in the
@@ -117,9 +116,9 @@ inline void write_run(const SlotWrite& w, int b, const SlotRun& r, float* row) {
     return;
   }
   switch (w.source) {
-    case SlotWrite::Source::kBFloat16: quantize_run_as<c10::BFloat16>(w, b, r, row); break;
-    case SlotWrite::Source::kFloat16: quantize_run_as<c10::Half>(w, b, r, row); break;
-    case SlotWrite::Source::kFloat32: quantize_run_as<float>(w, b, r, row); break;
+    case detail::FloatDtype::kBFloat16: quantize_run_as<c10::BFloat16>(w, b, r, row); break;
+    case detail::FloatDtype::kFloat16: quantize_run_as<c10::Half>(w, b, r, row); break;
+    case detail::FloatDtype::kFloat32: quantize_run_as<float>(w, b, r, row); break;
   }
 }
 

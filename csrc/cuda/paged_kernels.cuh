@@ -606,10 +606,7 @@ void run_paged_write(const PagedWriteParams& p, Rt& rt) {
   const int64_t tiles = (p.num_kv_heads + kQuantWarps - 1) / kQuantWarps;
   const dim3 grid(static_cast<unsigned>(2 * p.num_tokens),
                   static_cast<unsigned>(tiles < 65535 ? tiles : 65535));
-  const detail::FloatDtype src_type = p.src_dtype == at::kBFloat16 ? detail::FloatDtype::kBFloat16
-                                      : p.src_dtype == at::kHalf   ? detail::FloatDtype::kFloat16
-                                                                   : detail::FloatDtype::kFloat32;
-  cuda::with_quant_types(src_type, p.format, [&](auto t, auto f) {
+  cuda::with_quant_types(p.src_dtype, p.format, [&](auto t, auto f) {
     rt.launch(paged_write_quant_kernel<decltype(t), decltype(f)::value>, grid,
               dim3(kQuantWarps * 32), 0, a);
   });

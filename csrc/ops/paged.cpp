@@ -337,7 +337,7 @@ PagedWriteParams paged_write_params(const at::Tensor& key_pages, const at::Tenso
       p.vs_stride[k] = value_scales->stride(k);
     }
   }
-  p.src_dtype = key.scalar_type();
+  p.src_dtype = float_dtype_of(key.scalar_type());
   p.elem_size = es;
   p.slots = int_rows(slot_mapping);
   p.num_tokens = key.size(0);

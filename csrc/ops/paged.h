@@ -66,7 +66,7 @@ struct PagedWriteParams {
   float* v_scale = nullptr;
   int64_t ks_stride[3] = {};
   int64_t vs_stride[3] = {};
-  at::ScalarType src_dtype = at::kFloat;
+  FloatDtype src_dtype = FloatDtype::kFloat32;  // quantized pages: the source's
   int64_t elem_size = 0;  // of the pages (plain: of the source too)
   IntRows slots;          // (num_tokens,) int32/int64, on the device
   int64_t num_tokens = 0;

@@ -192,10 +192,7 @@ template <typename Q>
 void fill_quant_fields(Q& q, const at::Tensor& keys, const at::Tensor& keys_new,
                        const at::Tensor& k_scale, const at::Tensor& v_scale) {
   q.format = format_of(keys.scalar_type());
-  const auto t = keys_new.scalar_type();
-  q.src_dtype = t == at::kFloat      ? FloatDtype::kFloat32
-                : t == at::kBFloat16 ? FloatDtype::kBFloat16
-                                     : FloatDtype::kFloat16;
+  q.src_dtype = float_dtype_of(keys_new.scalar_type());
   const at::Tensor* sc[2] = {&k_scale, &v_scale};
   for (int w = 0; w < 2; ++w) {
     q.scale[w] = sc[w]->mutable_data_ptr<float>();
