@@ -19,7 +19,7 @@ budget):
 Columns: generated tokens/s (all requests' new tokens / wall time) and its ratio to ``sdpa``'s,
 ``attn_s`` (the seconds spent inside the attention function, every layer and step) and its share of
 the run, ``update_s`` (the seconds in ``PagedAttentionCache.update`` when the model calls it before the
-attention function, as transformers 5.24 does: ``sdpa``'s write and whole-context gather, ``kvcache``'s
+attention function, as transformers 5.24+ does: ``sdpa``'s write and whole-context gather, ``kvcache``'s
 step metadata; 5.18's attention functions call it inside ``attn_s``), ``attn_floor_s`` (causal attention's FLOPs for the requests at the GEMM rate measured in the
 same run: the attention computing as fast as a matrix product), ``attn_at_floor_vs_sdpa`` (``sdpa``'s
 time over this run's with ``attn_s`` replaced by ``attn_floor_s``: what an attention at the floor
@@ -95,7 +95,7 @@ class _AttentionClock:
     """Wall time spent inside the model's attention function (whatever ``AttentionInterface`` hands the
     attention layers: kvcache's paged write and attend, or paged|sdpa's SDPA), summed over layers and
     steps, in ``seconds``; and in ``update_seconds`` the time in ``PagedAttentionCache.update`` when
-    the model layer calls it before the attention function (transformers 5.24: paged|sdpa's write and
+    the model layer calls it before the attention function (transformers 5.24+: paged|sdpa's write and
     whole-context gather, kvcache's step metadata; 5.18's attention functions call it themselves,
     inside ``seconds``). Both reset by each :func:`run`. What is left of a run's time is the model's
     own (projections, MLP, norms, rotary, sampling, the scheduler), which no attention changes."""
@@ -128,9 +128,9 @@ class _AttentionClock:
             finally:
                 clock.update_seconds += time.perf_counter() - t0
 
-        # get_interface (5.24) and a plain lookup (5.18) both end in __getitem__.
+        # get_interface (5.24+) and a plain lookup (5.18) both end in __getitem__.
         AttentionInterface.__getitem__ = lambda this, key: timed(orig(this, key))
-        # kvcache.hf installs its own update (5.24) before this wraps it.
+        # kvcache.hf installs its own update (5.24+) before this wraps it.
         cb_cache.PagedAttentionCache.update = update
 
     def reset(self):
@@ -342,7 +342,7 @@ def main() -> None:
           "ceiling_vs_sdpa = paged|sdpa's seconds / floor_s, what a run at the floor would gain over it; "
           "attn_s: seconds inside the attention function (kvcache: write, attend; sdpa: SDPA; with 5.18 "
           "also the cache update, which its attention functions call); update_s: seconds in the cache's "
-          "update called before the attention function (5.24; sdpa: write and context gather; kvcache: "
+          "update called before the attention function (5.24+; sdpa: write and context gather; kvcache: "
           "the step's metadata); "
           "attn_floor_s: the attention's FLOPs at the GEMM rate; attn_at_floor_vs_sdpa = paged|sdpa's seconds / "
           "(seconds - attn_s + attn_floor_s), the ratio with this run's attention as fast as a GEMM and the "

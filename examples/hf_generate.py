@@ -33,7 +33,7 @@ The switch, in your own code::
 The speed-up it prints is this machine's: it depends on the CPU, the thread
 count and what else runs (``--threads 1`` is steadier on a shared machine).
 
-(transformers 5.24 names the argument ``cache=``; ``past_key_values=`` still
+(transformers 5.24 and later name the argument ``cache=``; ``past_key_values=`` still
 works there with a FutureWarning; ``kvcache.hf.CACHE_ARG`` is the installed
 version's name.)
 """

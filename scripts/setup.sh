@@ -43,7 +43,7 @@ echo "== installing $TORCH_SPEC and the build/test requirements"
 # the examples run after this script with no second install and no rebuild.
 pip_quiet "$TORCH_SPEC" "setuptools>=77" ninja \
   build numpy pytest "pytest-xdist==3.8.0" expecttest "hypothesis==6.168.3" tqdm matplotlib \
-  "transformers==5.24.0" "gguf==0.19.0" "accelerate==1.15.0"
+  "transformers==5.25.0" "gguf==0.19.0" "accelerate==1.15.0"
 python -c "import torch" >/dev/null  # fail here, clearly, if torch did not install
 # The documentation tools (scripts/docs.sh, a CI step), pinned: Sphinx with autodoc/napoleon,
 # MyST for the Markdown pages, the furo theme. Pure Python, a few MB.

@@ -44,8 +44,8 @@ env "${pytest_env[@]}" KVCACHE_RUNNER="$PWD/build/cmake/kvcache_run" \
   python -m pytest -q -p no:cacheprovider "${pytest_par[@]}" tests/python
 echo "== pytest took $(( $(date +%s) - start ))s"
 
-# kvcache.hf supports transformers 5.18 to 5.24 (kvcache/hf/_compat.py): the HF tests again on the
-# oldest, installed beside the venv's (--target, no dependencies: 5.24's serve it) and put first on
+# kvcache.hf supports transformers 5.18 to 5.25 (kvcache/hf/_compat.py): the HF tests again on the
+# oldest, installed beside the venv's (--target, no dependencies: 5.25's serve it) and put first on
 # PYTHONPATH. In this process: the tensor-parallel test's two ranks want both cores (44 s serial,
 # 54 s with 2 workers).
 oldest=${KVCACHE_HF_OLDEST-5.18.0}

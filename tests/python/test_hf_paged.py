@@ -31,11 +31,11 @@ from transformers.generation.continuous_batching.cache_allocators import (  # no
 )
 
 PAGE = 8
-# transformers 5.24 reads pages in place (its layers call the patched cache update); 5.18's attention
+# transformers 5.24+ reads pages in place (its layers call the patched cache update); 5.18's attention
 # function updates the cache itself and gathers the context, which paged|kvcache then reads.
 IN_PLACE = hf_paged.IN_PLACE
 needs_in_place = pytest.mark.skipif(not IN_PLACE, reason=f"transformers {transformers.__version__} gathers "
-                                    "the context in its attention-level cache update (5.24 reads pages in place)")
+                                    "the context in its attention-level cache update (5.24+ reads pages in place)")
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,7 @@ Usage (one switch in the model, one in ``generate``)::
 
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="kvcache")
     cache = kvcache.hf.KVCache(model.config, max_cache_len=4096)
-    out = model.generate(**inputs, past_key_values=cache)  # transformers 5.24 names it ``cache=``
+    out = model.generate(**inputs, past_key_values=cache)  # transformers 5.24 and later name it ``cache=``
 
 :class:`KVCache` is a ``transformers.Cache`` whose full-attention layers hold kvcache buffers
 ``(batch, num_kv_heads, max_cache_len, head_dim)`` and one int32 device length per row, and whose
@@ -20,7 +20,7 @@ slots) instead of O(max_cache_len).
 Modules: ``_compat`` (transformers versions), ``_registry`` (buffers -> layer), ``layer``
 (:class:`KVCacheLayer`), ``ring_layer`` (:class:`KVRingLayer`), ``cache`` (:class:`KVCache`), ``attention`` (the attention and mask
 functions); this module registers the last two with transformers. Why it is built this way:
-docs/hf.md. Supported transformers: 5.18 to 5.24 (tested); importing :mod:`kvcache` never
+docs/hf.md. Supported transformers: 5.18 to 5.25 (tested); importing :mod:`kvcache` never
 imports transformers, only ``import kvcache.hf`` does.
 """
 

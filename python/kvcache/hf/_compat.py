@@ -1,5 +1,5 @@
 """The transformers names kvcache.hf uses, and the differences between the versions it supports
-(5.18 to 5.24). Importing this module imports transformers; nothing else in kvcache does."""
+(5.18 to 5.25). Importing this module imports transformers; nothing else in kvcache does."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ NoKVLayer = getattr(_cache_utils, "DummyLayer", None) or LinearAttentionLayer
 
 def _cache_arg_name() -> str:
     # transformers renamed generate's/forward's `past_key_values` to `cache` after
-    # 5.18 (5.24 still takes the old name, with a FutureWarning).
+    # 5.18 (5.24 and 5.25 still take the old name, with a FutureWarning).
     from transformers.generation.utils import GenerationMixin
 
     params = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
@@ -41,7 +41,7 @@ def _cache_arg_name() -> str:
 
 CACHE_ARG = _cache_arg_name()
 """The keyword ``generate`` and the models take the cache by in the installed
-transformers: ``"cache"`` (5.24) or ``"past_key_values"`` (5.18); for code
+transformers: ``"cache"`` (5.24 and later) or ``"past_key_values"`` (5.18); for code
 that runs on both: ``model.generate(**inputs, **{kvcache.hf.CACHE_ARG: cache})``."""
 
 

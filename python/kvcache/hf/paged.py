@@ -7,7 +7,7 @@ and attends over the request's pages with :func:`kvcache.paged.attend_pages`. Th
 never gathered: transformers' ``PagedAttentionCache.update`` (write, then ``index_select`` of the
 whole context per layer) is bypassed for such models.
 
-How transformers (5.24) lays out its cache, and what this module derives from it:
+How transformers (5.24 and later) lays out its cache, and what this module derives from it:
 
 * One flat tensor, viewed per attention group (full / sliding layers) as rows of
   ``(num_kv_heads, head_dim)``; a block of the group holds, for each of its ``L`` layers, a key page
@@ -55,7 +55,7 @@ PAGED_ATTN_IMPLEMENTATION = "paged|kvcache"
 
 CB_ATTN_IMPLEMENTATION = "kvcache_paged"
 """The name a ``ContinuousBatchingManager`` switches a kvcache model to while it runs (and back
-when it stops), as it does ``eager`` -> ``paged|eager``: transformers 5.24 resolves any other
+when it stops), as it does ``eager`` -> ``paged|eager``: transformers 5.24+ resolves any other
 ``"paged|<name>"`` to ``"<name>"``, so the paged function needs a name without the prefix."""
 
 IMPLEMENTATIONS = ("kvcache", PAGED_ATTN_IMPLEMENTATION, CB_ATTN_IMPLEMENTATION)
@@ -64,7 +64,7 @@ IMPLEMENTATIONS = ("kvcache", PAGED_ATTN_IMPLEMENTATION, CB_ATTN_IMPLEMENTATION)
 IN_PLACE = False
 """Whether the installed transformers lets ``paged|kvcache`` read its pages in place.
 
-``True`` on 5.24, whose model layers call ``PagedAttentionCache.update`` before the attention
+``True`` on 5.24+, whose model layers call ``PagedAttentionCache.update`` before the attention
 (patched here to copy nothing). ``False`` on 5.18, whose attention function updates the cache
 itself, which gathers each sequence's context; ``paged|kvcache`` then reads the gathered rows as
 pages of one token. Set by :func:`install`."""
@@ -316,7 +316,7 @@ def paged_kvcache_attention(
     softcap: Optional[float] = None,
     **kwargs: Any,
 ):
-    """The ``"paged|kvcache"`` attention (:data:`CB_ATTN_IMPLEMENTATION` in transformers 5.24).
+    """The ``"paged|kvcache"`` attention (:data:`CB_ATTN_IMPLEMENTATION` in transformers 5.24+).
 
     Without ``PAGED_STEP`` in ``kwargs`` (a regular forward), this is
     :func:`kvcache.hf.kvcache_attention`. With it, the layer's new keys and values are
@@ -418,7 +418,7 @@ def _switch_to_cb_friendly_attn(self, model, *args, **kwargs) -> None:
 
     A ``"kvcache"`` / ``"paged|kvcache"`` model is switched to :data:`CB_ATTN_IMPLEMENTATION` (never to
     flash); ``stop()`` restores the original name, as for ``eager`` -> ``paged|eager``. Any other
-    model goes to transformers' own method with its arguments as given (5.24 adds
+    model goes to transformers' own method with its arguments as given (5.24+ adds
     ``auto_switch_to_flash``; 5.18 has none).
     """
     original = getattr(model.config, "_attn_implementation", None)
@@ -468,7 +468,7 @@ def install() -> bool:
     manager_cls = getattr(continuous_api, "ContinuousBatchingManager", None)
     if not hasattr(cache_cls, "update") or manager_cls is None:
         return False
-    # 5.24's model layers call cache.update(k, v, layer_idx, kwargs=...) before the attention (patched:
+    # 5.24+'s model layers call cache.update(k, v, layer_idx, kwargs=...) before the attention (patched:
     # no gather); 5.18's attention function calls update(..., read_index, write_index) itself
     # (_attend_gathered, transformers' update kept).
     IN_PLACE = "read_index" not in inspect.signature(cache_cls.update).parameters
@@ -477,7 +477,7 @@ def install() -> bool:
         cache_cls.update = paged_update
     # Outside a step the paged names are the regular attention (a forward while a manager runs, or
     # after init_continuous_batching() and stop() without start(), which keeps the CB name): the
-    # masks of "kvcache", so left padding is honoured. 5.24's steps build no mask for these names
+    # masks of "kvcache", so left padding is honoured. 5.24+'s steps build no mask for these names
     # (its attn_mask_is_needed); 5.18's ask this interface for a packed-sequence one, which
     # kvcache_mask refuses: there _unless_packed answers None (the step reads cu_seqlens).
     mask = kvcache_mask if IN_PLACE else _unless_packed
