@@ -324,6 +324,44 @@ def test_assisted_generation_matches_dynamic_cache(draft_impl):
     assert any(n < 0 for n in crops), "the draft was never rejected: crop not exercised"
 
 
+@pytest.mark.skipif(not hasattr(transformers.cache_utils.Cache, "get_recurrent_states_to_keep"),
+                    reason=f"transformers {transformers.__version__} refuses assisted generation on stateful "
+                           "models (5.25 keeps their recurrent states' history)")
+def test_prompt_lookup_on_a_hybrid_model_matches_greedy():
+    """Prompt-lookup decoding on LFM2 (conv layers in transformers' own layer classes, attention
+    layers in kvcache's): rejected drafts crop the kvcache layers and roll the conv states back
+    (transformers 5.25); the tokens are plain greedy's."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Lfm2Config(**{**COMMON, "num_hidden_layers": 4, "initializer_range": 0.5},
+                     layer_types=["conv", "full_attention", "conv", "full_attention"])
+    model = Lfm2ForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(0)
+    base = torch.randint(3, VOCAB, (6,), generator=g)
+    ids = torch.cat([base, base, base[:3]])[None]  # repeats: the lookup proposes drafts
+    mask = torch.ones_like(ids)
+    ref = generate(model, ids, mask, DynamicCache(config=model.config), new=16)
+    assert len(set(ref[0, ids.shape[1]:].tolist())) > 4  # not a degenerate repetition
+    crops = []
+    orig = kh.KVCacheLayer.crop
+
+    def spy(self, n):
+        crops.append(int(n))
+        orig(self, n)
+
+    kh.KVCacheLayer.crop = spy
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = generate(model, ids, mask, kh.KVCache(cfg, MAX_LEN), impl="kvcache", new=16,
+                           prompt_lookup_num_tokens=3)
+    finally:
+        kh.KVCacheLayer.crop = orig
+    assert_tokens(out, ref)
+    assert any(n < 0 for n in crops), "no draft was rejected: crop not exercised"
+
+
 def test_two_caches_in_flight():
     model = model_for("qwen2")
     a_ids, a_mask = inputs(2, seed=1)
@@ -679,6 +717,23 @@ def test_different_key_and_value_head_sizes():
     with pytest.raises(NotImplementedError, match="different head sizes"):
         layer.update(torch.zeros(1, 1, 1, 24), torch.zeros(1, 1, 1, 16))
     assert not layer.is_initialized
+
+
+def test_kvcache_attention_refuses_different_key_and_value_head_sizes():
+    """MLA-style attention (DeepSeek-V3) with transformers' own cache: the kvcache attention gets keys
+    of qk_head_dim and values of v_head_dim, and refuses them by name before any operator runs."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                           num_hidden_layers=1, num_attention_heads=2, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                           v_head_dim=16, kv_lora_rank=16, q_lora_rank=None, n_routed_experts=4,
+                           num_experts_per_tok=2, n_group=1, topk_group=1)
+    model = DeepseekV3ForCausalLM(cfg).eval()
+    model.set_attn_implementation("kvcache")
+    with pytest.raises(NotImplementedError, match=r"one head size; got keys \(1, 2, 5, 24\) and values "
+                                                  r"\(1, 2, 5, 16\) \(MLA-style.*attn_implementation='sdpa'"):
+        model(torch.tensor([[1, 5, 9, 3, 7]]))
 
 
 def test_mask_errors():

@@ -331,6 +331,30 @@ def test_persistent_manager_refuses_another_attention():
         [sdpa[f"req_{i}"].generated_tokens for i in range(2)]
 
 
+def test_mla_model_refused_before_the_manager_runs():
+    """A DeepSeek-V3 (MLA) model: transformers 5.25 pages its latents and expands them to keys of
+    qk_head_dim and values of v_head_dim, which kvcache's paged attention cannot take. Refused in the
+    caller's thread, before any step (a step's error is only logged by the manager's thread and every
+    request comes back empty), with the model's attention left as it was."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                           num_hidden_layers=2, num_attention_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                           v_head_dim=16, kv_lora_rank=16, q_lora_rank=None, n_routed_experts=4,
+                           num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1,
+                           max_position_embeddings=256)
+    model = _no_eos(DeepseekV3ForCausalLM(cfg).eval())
+    for impl in ("kvcache", hf_paged.PAGED_ATTN_IMPLEMENTATION):
+        model.set_attn_implementation(impl)
+        before = model.config._attn_implementation  # transformers 5.25 drops the "paged|" of the second
+        with pytest.raises(NotImplementedError, match=r"DeepseekV3Config has keys and values of different head "
+                                                      r"sizes \(qk_head_dim=24, v_head_dim=16: MLA-style"):
+            model.generate_batch(_prompts((5, 3)), generation_config=_gen_config(4),
+                                 continuous_batching_config=_cb_config(), progress_bar=False)
+        assert model.config._attn_implementation == before
+
+
 @pytest.mark.parametrize("name", [hf_paged.CB_ATTN_IMPLEMENTATION, hf_paged.PAGED_ATTN_IMPLEMENTATION])
 def test_paged_names_honour_padding_outside_a_step(name):
     """Under the continuous-batching names (kept by init_continuous_batching() then stop() without

@@ -59,6 +59,27 @@ def head_shapes(config, n: int) -> "tuple[list[int], list[int]]":
     return heads, dims
 
 
+def split_head_sizes(config) -> "tuple[int, int] | None":
+    """``(qk_head_dim, v_head_dim)`` when a (text) config's keys and values have different head sizes.
+
+    MLA-style attention (DeepSeek-V2/V3 and models built like them) projects keys and values from
+    cached latents to ``qk_head_dim`` and ``v_head_dim``; kvcache's caches and attention take keys
+    and values of one shape. ``None`` for every other config.
+    """
+    qk = getattr(config, "qk_head_dim", None)
+    vd = getattr(config, "v_head_dim", None)
+    if (qk is not None or vd is not None) and qk != vd:
+        return qk, vd
+    return None
+
+
+def mla_message(config, what: str) -> str:
+    """The refusal of an MLA-style config by ``what`` (see :func:`split_head_sizes`)."""
+    qk, vd = split_head_sizes(config)
+    return (f"{type(config).__name__} has keys and values of different head sizes (qk_head_dim={qk}, "
+            f"v_head_dim={vd}: MLA-style attention); {what} takes keys and values of one shape")
+
+
 def tp_size(*configs) -> int:
     """The tensor-parallel degree transformers sharded the model with (1 if none).
 

@@ -167,8 +167,9 @@ def kvcache_attention(
         ``(output (batch, seq, num_heads, head_dim), None)``.
 
     Raises:
-        NotImplementedError: Dropout in training, non-causal attention or
-            position biases; ``KVCache(sinks=N)`` over a left-padded batch.
+        NotImplementedError: Dropout in training, non-causal attention,
+            position biases, or keys and values of different head sizes
+            (MLA-style attention); ``KVCache(sinks=N)`` over a left-padded batch.
             Learned attention-sink logits (gpt-oss ``s_aux``) are served:
             ``attend``'s ``sink_logits``.
         ValueError: A mask not built by :func:`kvcache_mask`; lengths out of
@@ -181,6 +182,11 @@ def kvcache_attention(
                                 sliding_window=sliding_window, softcap=softcap, **kwargs)
     if dropout and getattr(module, "training", False):
         raise NotImplementedError("attn_implementation='kvcache' is for inference: attention dropout is not supported")
+    if key.shape[-1] != value.shape[-1]:
+        raise NotImplementedError(
+            f"attn_implementation='kvcache' takes keys and values of one head size; got keys {tuple(key.shape)} and "
+            f"values {tuple(value.shape)} (MLA-style attention, as in DeepSeek-V2/V3): load the model with "
+            "attn_implementation='sdpa'")
     if is_causal is False or not getattr(module, "is_causal", True):
         raise NotImplementedError("attn_implementation='kvcache' supports causal self-attention only")
     # Learned per-head sink logits (gpt-oss passes its `sinks` parameter as s_aux): one virtual

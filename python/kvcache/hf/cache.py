@@ -19,6 +19,8 @@ from ._compat import (
     NoKVLayer,
     StaticSlidingWindowLayer,
     head_shapes,
+    mla_message,
+    split_head_sizes,
     tp_size,
 )
 from .. import ring as _ring
@@ -167,13 +169,8 @@ class KVCache(Cache):
                 raise NotImplementedError(
                     f"{type(text).__name__} shares keys/values between layers ({attr}={v}); kvcache.hf.KVCache "
                     "does not support KV sharing yet: use transformers' StaticCache/DynamicCache")
-        if getattr(text, "qk_head_dim", None) is not None or getattr(text, "v_head_dim", None) is not None:
-            qk = getattr(text, "qk_head_dim", None)
-            vd = getattr(text, "v_head_dim", None)
-            if qk != vd:
-                raise NotImplementedError(
-                    f"{type(text).__name__} has keys and values of different head sizes (qk_head_dim={qk}, "
-                    f"v_head_dim={vd}: MLA-style attention); kvcache.hf.KVCache stores keys and values of one shape")
+        if split_head_sizes(text) is not None:
+            raise NotImplementedError(mla_message(text, "kvcache.hf.KVCache"))
 
         types, windows = _layer_types(text)
         layers = []

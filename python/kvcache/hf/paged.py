@@ -44,7 +44,7 @@ from typing import Any, Optional
 import torch
 
 from ..paged import attend_pages, write_pages
-from ._compat import AttentionMaskInterface, masking_utils
+from ._compat import AttentionMaskInterface, masking_utils, mla_message, split_head_sizes
 from .attention import PAGED_STEP, is_gathering_step, kvcache_attention, kvcache_mask, set_paged_attention
 
 __all__ = ["PAGED_ATTN_IMPLEMENTATION", "CB_ATTN_IMPLEMENTATION", "IMPLEMENTATIONS", "IN_PLACE", "install",
@@ -420,6 +420,11 @@ def _switch_to_cb_friendly_attn(self, model, *args, **kwargs) -> None:
     flash); ``stop()`` restores the original name, as for ``eager`` -> ``paged|eager``. Any other
     model goes to transformers' own method with its arguments as given (5.24+ adds
     ``auto_switch_to_flash``; 5.18 has none).
+
+    Raises:
+        NotImplementedError: A kvcache model whose keys and values have different head sizes
+            (MLA-style attention: DeepSeek-V2/V3; transformers 5.25 pages their latents).
+        ValueError: A manager built for kvcache asked to run the model under another attention.
     """
     original = getattr(model.config, "_attn_implementation", None)
     if original not in IMPLEMENTATIONS:
@@ -431,6 +436,14 @@ def _switch_to_cb_friendly_attn(self, model, *args, **kwargs) -> None:
                 f"the model as {original!r}: call model.destroy_cached_continuous_batching_manager() after "
                 f"switching the attention (or run generate_batch with persistent_manager=False)")
         return _orig_switch(self, model, *args, **kwargs)
+    config = model.config
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if split_head_sizes(text) is not None:
+        # Refused here, in the caller's thread: raised inside a step, the manager's generation
+        # thread would only log it and generate_batch would return every request empty.
+        raise NotImplementedError(
+            mla_message(text, "kvcache's paged attention") + ": load the model with attn_implementation='sdpa' "
+            "(or 'paged|eager') for continuous batching")
     self._kvcache_built = True
     if original != CB_ATTN_IMPLEMENTATION:
         model.set_attn_implementation(CB_ATTN_IMPLEMENTATION)
