@@ -181,6 +181,10 @@ KvFormat format_of(at::ScalarType t) {
                                    : KvFormat::kPlain;
 }
 
+bool is_float_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
 FloatDtype float_dtype_of(at::ScalarType t) {
   return t == at::kFloat      ? FloatDtype::kFloat32
          : t == at::kBFloat16 ? FloatDtype::kBFloat16

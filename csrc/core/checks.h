@@ -104,6 +104,10 @@ KVCACHE_API KvFormat format_of(at::ScalarType t);
 // bfloat16 or float16, checked by the caller).
 KVCACHE_API FloatDtype float_dtype_of(at::ScalarType t);
 
+// float32, bfloat16 or float16: the dtypes of queries, of the caches and
+// pages attend reads without scales, and of a quantized write's source.
+KVCACHE_API bool is_float_dtype(at::ScalarType t);
+
 // A quantized cache's scale tensor (k_scale / v_scale): dense float32
 // (batch, num_kv_heads, max_len) matching `keys`, on its device.
 void check_scale_tensor(const at::Tensor& t, const char* name,

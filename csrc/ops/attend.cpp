@@ -16,14 +16,6 @@ namespace detail {
 
 DeviceStub<AttendFn> attend_stub;
 
-namespace {
-
-bool attn_dtype(at::ScalarType t) {
-  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
-}
-
-}  // namespace
-
 void check_attend_options(std::optional<double> scale, int64_t window,
                           double softcap, int64_t head_dim) {
   // The kernels compute in float32: the value they use is the float32 one.
@@ -137,13 +129,20 @@ AttendRows check_attend(const at::Tensor& q, const at::Tensor& keys,
       ", which must be a multiple of the cache's num_kv_heads=",
       shown(kv_heads));
 
-  TORCH_CHECK_TYPE(attn_dtype(q.scalar_type()),
+  TORCH_CHECK_TYPE(is_float_dtype(q.scalar_type()),
                    "q must be a torch.float32, torch.bfloat16 or "
                    "torch.float16 tensor, got ",
                    py_dtype(q.scalar_type()));
   const auto dev = q.device();
   const KvFormat format = format_of(keys.scalar_type());
   if (format == KvFormat::kPlain) {
+    // A dtype attend reads at all first: otherwise the cast named below
+    // (q.to(the cache's dtype)) would itself be refused.
+    TORCH_CHECK_TYPE(is_float_dtype(keys.scalar_type()), "the cache's keys are ",
+                     py_dtype(keys.scalar_type()),
+                     ": attend reads caches of torch.float32, torch.bfloat16 or "
+                     "torch.float16 (q's dtype), or torch.int8 / "
+                     "torch.float8_e4m3fn with k_scale and v_scale");
     // The cache's dtype is the user's choice and q's the model's: name both,
     // and the cast that fixes it, rather than blame the cache.
     TORCH_CHECK_TYPE(keys.scalar_type() == q.scalar_type(), "q is ",

@@ -21,10 +21,6 @@ DeviceStub<AttendFn> paged_attend_stub;
 
 namespace {
 
-bool float_dtype(at::ScalarType t) {
-  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
-}
-
 constexpr const char* kPagesDims = "(num_blocks, block_size, num_kv_heads, head_dim)";
 
 // The pages both ops take: dense, 4-D, the same shape, dtype and device.
@@ -154,7 +150,7 @@ void check_paged_write(const at::Tensor& key_pages, const at::Tensor& value_page
                      py_dtype(key_pages.scalar_type()),
                      ": no implicit casts; pass key.to(", py_dtype(key_pages.scalar_type()), ")");
   } else {
-    TORCH_CHECK_TYPE(float_dtype(key.scalar_type()),
+    TORCH_CHECK_TYPE(is_float_dtype(key.scalar_type()),
                      "key must be torch.float32, torch.bfloat16 or torch.float16 "
                      "(quantized into the ", py_dtype(key_pages.scalar_type()),
                      " pages), got ", py_dtype(key.scalar_type()));
@@ -236,11 +232,18 @@ PagedRows check_paged_attend(const at::Tensor& q, const at::Tensor& key_pages,
                                               : holds(heads.sym_eq(0)),
                     "q has num_heads=", shown(heads),
                     ", which must be a multiple of the pages' num_kv_heads=", shown(kv_heads));
-  TORCH_CHECK_TYPE(float_dtype(q.scalar_type()),
+  TORCH_CHECK_TYPE(is_float_dtype(q.scalar_type()),
                    "q must be a torch.float32, torch.bfloat16 or torch.float16 tensor, got ",
                    py_dtype(q.scalar_type()));
   const auto dev = q.device();
   if (format_of(key_pages.scalar_type()) == KvFormat::kPlain) {
+    // A dtype paged_attend reads at all first: otherwise the cast named
+    // below (q.to(the pages' dtype)) would itself be refused.
+    TORCH_CHECK_TYPE(is_float_dtype(key_pages.scalar_type()), "key_pages are ",
+                     py_dtype(key_pages.scalar_type()),
+                     ": paged_attend reads pages of torch.float32, torch.bfloat16 or torch.float16 "
+                     "(q's dtype), or torch.int8 / torch.float8_e4m3fn with key_scales and "
+                     "value_scales");
     TORCH_CHECK_TYPE(key_pages.scalar_type() == q.scalar_type(), "q is ",
                      py_dtype(q.scalar_type()), " but key_pages are ",
                      py_dtype(key_pages.scalar_type()),

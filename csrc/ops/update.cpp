@@ -48,10 +48,6 @@ struct Scales {
   const at::Tensor& v;
 };
 
-bool is_float_dtype(at::ScalarType t) {
-  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
-}
-
 void check_scales(const at::Tensor& keys, const at::Tensor& values,
                   const at::Tensor& keys_new, const at::Tensor& values_new,
                   const Scales& sc, const Shape& g) {

@@ -410,7 +410,7 @@ def attend(
             read out of bounds).
         TypeError: Unsupported or mismatched dtypes; a ``window`` that is
             not an int (ValueError: outside int64); a ``scale`` or ``softcap``
-            that is not a number (a bool, a str).
+            that is not a number (a bool, a str, a tensor).
     """
     softcap_ = 0.0 if softcap is None else softcap
     if torch.jit.is_scripting():  # TorchScript's Optional[int] annotation already types window

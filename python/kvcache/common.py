@@ -161,12 +161,17 @@ def check_real(**options) -> None:
     """Refuses attend options (``scale=``, ``softcap=``) that are not numbers (None passes: the default).
 
     Raises:
-        TypeError: Naming the option, for a bool (``True`` would silently mean 1.0) or a value that
-            is not a real number (a str, ...); a number, a numpy scalar or a 0-D tensor passes.
+        TypeError: Naming the option, for a bool (``True`` would silently mean 1.0), a tensor
+            (its value would be read on the host: a sync in eager, and torch.compile cannot pass
+            it where the operators take a float) or a value that is not a real number (a str,
+            ...); a Python or numpy number passes.
     """
     for name, value in options.items():
-        if value is None or isinstance(value, torch.Tensor):
+        if value is None:
             continue
+        if isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a float or None, got a tensor: pass a Python number "
+                            f"({name}=float(t); the operators take the value, not a tensor)")
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"{name} must be a float or None, got {type(value).__name__}")
 
@@ -176,11 +181,15 @@ def as_window(window) -> int:
     """An attend ``window`` argument as the operators' int (``None``: 0, no window).
 
     Raises:
-        TypeError: A ``window`` that is not an int (a float, a bool).
+        TypeError: A ``window`` that is not an int (a float, a bool, a tensor: its value would be
+            read on the host, and torch.compile cannot pass it where the operators take an int).
         ValueError: A ``window`` outside int64.
     """
     if window is None:
         return 0
+    if isinstance(window, torch.Tensor):
+        raise TypeError("window must be an int or None, got a tensor: pass a Python int (window=int(t); the "
+                        "operators take the value, not a tensor)")
     w = as_int("window", window)
     if not INT64_MIN <= w <= INT64_MAX:
         raise ValueError(f"window must fit in int64 (0: no window), got {w}")

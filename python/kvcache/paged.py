@@ -127,7 +127,7 @@ def attend_pages(
             sees outside ``[0, num_blocks)`` (all before anything is read); a ``window`` outside
             int64.
         TypeError: Dtypes that do not fit; a ``window`` that is not an int; a ``scale`` or
-            ``softcap`` that is not a number (a bool, a str).
+            ``softcap`` that is not a number (a bool, a str, a tensor).
     """
     softcap_ = 0.0 if softcap is None else softcap
     if torch.jit.is_scripting():  # TorchScript's Optional[int] annotation already types window

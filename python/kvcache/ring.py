@@ -458,7 +458,7 @@ def attend_ring(
             lengths below ``seq`` or ``kv_start`` outside ``[0, length]``
             (on CUDA those rows get NaN).
         TypeError: Unsupported or mismatched dtypes; a ``scale`` or
-            ``softcap`` that is not a number (a bool, a str).
+            ``softcap`` that is not a number (a bool, a str, a tensor).
     """
     if not isinstance(kv, (RingLayerCache, RingKV)):
         raise TypeError(f"kv must be a RingLayerCache or RingKV, got {type(kv).__name__}")

@@ -478,6 +478,10 @@ ERRORS = [
     (TypeError, r"q is torch.float32 but the cache's keys are torch.float16: q and the cache must have one "
                 r"dtype \(no implicit casts\): pass q.to\(torch.float16\)",
      args(keys=torch.randn(B, KVH, T, D).half()), {}),
+    (TypeError, r"the cache's keys are torch.float64: attend reads caches of torch.float32, torch.bfloat16 or "
+                r"torch.float16 \(q's dtype\), or torch.int8 / torch.float8_e4m3fn with k_scale and v_scale",
+     args(keys=torch.randn(B, KVH, T, D, dtype=torch.float64), values=torch.randn(B, KVH, T, D, dtype=torch.float64)),
+     {}),
     (TypeError, r"values must have the dtype of keys torch.float32 .* got torch.bfloat16",
      args(values=torch.randn(B, KVH, T, D).bfloat16()), {}),
     (ValueError, r"keys must be on the device of q \(cpu\), got meta", args(keys=torch.empty(B, KVH, T, D, device="meta")), {}),

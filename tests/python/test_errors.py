@@ -213,6 +213,7 @@ def test_sparse_and_quantized_rejected(cache):
     (1.5, TypeError, "window must be an int, got float"),
     (True, TypeError, "window must be an int, got bool"),
     (2 ** 63, ValueError, r"window must fit in int64 \(0: no window\), got 9223372036854775808"),
+    (torch.tensor(3), TypeError, r"window must be an int or None, got a tensor: pass a Python int"),
 ])
 def test_attend_window_argument(cache, window, exc, match):
     """attend's window is checked in Python (the dispatcher's own message names no argument)."""
@@ -222,12 +223,12 @@ def test_attend_window_argument(cache, window, exc, match):
 
 
 @pytest.mark.parametrize("name", ["scale", "softcap"])
-@pytest.mark.parametrize("value,got", [(True, "bool"), ("0.5", "str")])
+@pytest.mark.parametrize("value,got", [(True, "bool"), ("0.5", "str"), (torch.tensor(0.5), "a tensor")])
 @pytest.mark.parametrize("layout", ["rows", "ring", "pages"])
 def test_attend_float_options_are_numbers(cache, name, value, got, layout):
-    """scale / softcap: a bool (which the dispatcher took as 1.0) or a str (its RuntimeError named
-    no argument) is a TypeError naming the option, on every layout; numbers, numpy scalars and
-    0-D tensors still pass."""
+    """scale / softcap: a bool (which the dispatcher took as 1.0), a str (its RuntimeError named
+    no argument) or a tensor (read on the host in eager; under torch.compile the operator cannot
+    take it) is a TypeError naming the option, on every layout; numbers and numpy scalars pass."""
     import numpy as np
 
     from kvcache.paged import attend_pages, init_paged_cache
@@ -249,7 +250,7 @@ def test_attend_float_options_are_numbers(cache, name, value, got, layout):
         call = lambda **kw: attend_pages(q3, pages.key_pages, pages.value_pages, table, lens, cu, **kw)  # noqa: E731
     with pytest.raises(TypeError, match=f"{name} must be a float or None, got {got}"):
         call(**{name: value})
-    for ok in (0.5, 2, np.float32(0.5), torch.tensor(0.5)):
+    for ok in (0.5, 2, np.float32(0.5)):
         call(**{name: ok})
 
 

@@ -682,6 +682,12 @@ def attend_args(**over):
     ("scale overflow", "scale", ValueError, r"scale=1e\+38 makes scores overflow float32"),
     ("window float", "window1.5", TypeError, r"window must be an int, got float"),
     ("window huge", "window2**63", ValueError, r"window must fit in int64 \(0: no window\), got 9223372036854775808"),
+    ("window tensor", "windowT", TypeError, r"window must be an int or None, got a tensor: pass a Python int"),
+    ("scale tensor", "scaleT", TypeError, r"scale must be a float or None, got a tensor: pass a Python number"),
+    ("softcap tensor", "softcapT", TypeError, r"softcap must be a float or None, got a tensor"),
+    ("pages float64", "pages64", TypeError, r"key_pages are torch.float64: paged_attend reads pages of torch.float32, "
+                                            r"torch.bfloat16 or torch.float16 \(q's dtype\), or torch.int8 / "
+                                            r"torch.float8_e4m3fn with key_scales and value_scales"),
 ])
 def test_attend_errors(name, over, exc, match):
     a = attend_args()
@@ -714,6 +720,15 @@ def test_attend_errors(name, over, exc, match):
         a["window"] = 1.5
     elif over == "window2**63":
         a["window"] = 2 ** 63
+    elif over == "windowT":  # eager would read it on the host; compiled, the op cannot take it
+        a["window"] = torch.tensor(3)
+    elif over == "scaleT":
+        a["scale"] = torch.tensor(0.5)
+    elif over == "softcapT":
+        a["softcap"] = torch.tensor(2.0)
+    elif over == "pages64":  # a dtype no attend reads: the pages are named, not q
+        a["key_pages"] = a["key_pages"].double()
+        a["value_pages"] = a["value_pages"].double()
     q = a.pop("q")
     with pytest.raises(exc, match=match):
         attend_pages(q, **a)
