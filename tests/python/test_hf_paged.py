@@ -355,6 +355,21 @@ def test_mla_model_refused_before_the_manager_runs():
         assert model.config._attn_implementation == before
 
 
+def test_float64_model_refused_before_the_manager_runs():
+    """paged_attend reads float32, bfloat16 and float16: a float64 model is refused when the manager
+    is built, not inside a step (where every request came back FAILED and empty), and sdpa still
+    serves it."""
+    model = _llama().to(torch.float64)
+    prompts = _prompts((5, 3))
+    model.set_attn_implementation("kvcache")
+    with pytest.raises(TypeError, match=r"kvcache's paged attention runs float32, bfloat16 and float16 models; this "
+                                        r"model is torch.float64: convert it"):
+        model.generate_batch(prompts, generation_config=_gen_config(4), continuous_batching_config=_cb_config(),
+                             progress_bar=False)
+    assert model.config._attn_implementation == "kvcache"
+    assert _generate_batch(model, "sdpa", prompts, 4) == _greedy(model, "sdpa", prompts, 4)
+
+
 @pytest.mark.parametrize("name", [hf_paged.CB_ATTN_IMPLEMENTATION, hf_paged.PAGED_ATTN_IMPLEMENTATION])
 def test_paged_names_honour_padding_outside_a_step(name):
     """Under the continuous-batching names (kept by init_continuous_batching() then stop() without

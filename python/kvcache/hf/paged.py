@@ -424,6 +424,7 @@ def _switch_to_cb_friendly_attn(self, model, *args, **kwargs) -> None:
     Raises:
         NotImplementedError: A kvcache model whose keys and values have different head sizes
             (MLA-style attention: DeepSeek-V2/V3; transformers 5.25 pages their latents).
+        TypeError: A kvcache model whose dtype is not float32, bfloat16 or float16.
         ValueError: A manager built for kvcache asked to run the model under another attention.
     """
     original = getattr(model.config, "_attn_implementation", None)
@@ -444,6 +445,13 @@ def _switch_to_cb_friendly_attn(self, model, *args, **kwargs) -> None:
         raise NotImplementedError(
             mla_message(text, "kvcache's paged attention") + ": load the model with attn_implementation='sdpa' "
             "(or 'paged|eager') for continuous batching")
+    dtype = getattr(model, "dtype", None)
+    if dtype is not None and dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        # As above: attend_pages would refuse it inside the first step, which only the manager's
+        # thread would see.
+        raise TypeError(
+            f"kvcache's paged attention runs float32, bfloat16 and float16 models; this model is {dtype}: "
+            "convert it (model.to(torch.float32)) or run continuous batching with attn_implementation='sdpa'")
     self._kvcache_built = True
     if original != CB_ATTN_IMPLEMENTATION:
         model.set_attn_implementation(CB_ATTN_IMPLEMENTATION)
