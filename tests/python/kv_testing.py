@@ -195,3 +195,17 @@ def forced_split():
     finally:
         torch.set_num_threads(saved_threads)
         kvcache._C.set_attend_cpu_tuning(**saved_tuning)
+
+
+def record_crops(monkeypatch, layer_cls) -> list:
+    """The ``n`` of every ``layer_cls.crop(n)`` call from now on, as a list (the layers still crop):
+    assisted-generation tests check that a draft was rejected (some ``n < 0``)."""
+    crops = []
+    crop = layer_cls.crop
+
+    def spy(self, n):
+        crops.append(int(n))
+        crop(self, n)
+
+    monkeypatch.setattr(layer_cls, "crop", spy)
+    return crops

@@ -19,6 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import kvcache.hf as kh  # noqa: E402
+from kv_testing import record_crops  # noqa: E402
 from references import assert_close, attention_reference  # noqa: E402
 from transformers import (  # noqa: E402
     DynamicCache,
@@ -301,25 +302,14 @@ def test_beam_search_matches_dynamic_cache(batch):
 
 
 @pytest.mark.parametrize("draft_impl", ["sdpa", "kvcache"])
-def test_assisted_generation_matches_dynamic_cache(draft_impl):
+def test_assisted_generation_matches_dynamic_cache(draft_impl, monkeypatch):
     target = model_for("llama", num_hidden_layers=3)
     draft = model_for("llama", seed=7, num_hidden_layers=1)
     draft.set_attn_implementation(draft_impl)
     ids, mask = inputs(1)
     ref = generate(target, ids, mask, DynamicCache(config=target.config))
-    crops = []
-    orig = kh.KVCacheLayer.crop
-
-    def spy(self, n):
-        crops.append(int(n))
-        orig(self, n)
-
-    kh.KVCacheLayer.crop = spy
-    try:
-        out = generate(target, ids, mask, kh.KVCache(target.config, MAX_LEN), impl="kvcache",
-                       assistant_model=draft)
-    finally:
-        kh.KVCacheLayer.crop = orig
+    crops = record_crops(monkeypatch, kh.KVCacheLayer)
+    out = generate(target, ids, mask, kh.KVCache(target.config, MAX_LEN), impl="kvcache", assistant_model=draft)
     assert_tokens(out, ref)
     assert any(n < 0 for n in crops), "the draft was never rejected: crop not exercised"
 
@@ -327,7 +317,7 @@ def test_assisted_generation_matches_dynamic_cache(draft_impl):
 @pytest.mark.skipif(not hasattr(transformers.cache_utils.Cache, "get_recurrent_states_to_keep"),
                     reason=f"transformers {transformers.__version__} refuses assisted generation on stateful "
                            "models (5.25 keeps their recurrent states' history)")
-def test_prompt_lookup_on_a_hybrid_model_matches_greedy():
+def test_prompt_lookup_on_a_hybrid_model_matches_greedy(monkeypatch):
     """Prompt-lookup decoding on LFM2 (conv layers in transformers' own layer classes, attention
     layers in kvcache's): rejected drafts crop the kvcache layers and roll the conv states back
     (transformers 5.25); the tokens are plain greedy's."""
@@ -343,21 +333,10 @@ def test_prompt_lookup_on_a_hybrid_model_matches_greedy():
     mask = torch.ones_like(ids)
     ref = generate(model, ids, mask, DynamicCache(config=model.config), new=16)
     assert len(set(ref[0, ids.shape[1]:].tolist())) > 4  # not a degenerate repetition
-    crops = []
-    orig = kh.KVCacheLayer.crop
-
-    def spy(self, n):
-        crops.append(int(n))
-        orig(self, n)
-
-    kh.KVCacheLayer.crop = spy
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out = generate(model, ids, mask, kh.KVCache(cfg, MAX_LEN), impl="kvcache", new=16,
-                           prompt_lookup_num_tokens=3)
-    finally:
-        kh.KVCacheLayer.crop = orig
+    crops = record_crops(monkeypatch, kh.KVCacheLayer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = generate(model, ids, mask, kh.KVCache(cfg, MAX_LEN), impl="kvcache", new=16, prompt_lookup_num_tokens=3)
     assert_tokens(out, ref)
     assert any(n < 0 for n in crops), "no draft was rejected: crop not exercised"
 

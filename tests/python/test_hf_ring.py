@@ -17,6 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import kvcache.hf as kh  # noqa: E402
+from kv_testing import record_crops  # noqa: E402
 from transformers import (  # noqa: E402
     AttentionInterface,
     DynamicCache,
@@ -192,24 +193,14 @@ def test_crop_after_the_wrap_equals_never_decoding_the_dropped_tokens(arch):
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_prompt_lookup_assisted_generation_equals_greedy(arch):
+def test_prompt_lookup_assisted_generation_equals_greedy(arch, monkeypatch):
     model = _model(arch)
     ids, mask = inputs(1, prompt=40, repeat=True)
     ref = dynamic(model, ids, mask)
-    crops = []
-    orig = kh.KVRingLayer.crop
-
-    def spy(self, n):
-        crops.append(int(n))
-        orig(self, n)
-
-    kh.KVRingLayer.crop = spy
-    try:
-        out = generate(model, ids, mask, kh.KVCache(model.config, MAX_LEN, max_step=4), impl="kvcache",
-                       prompt_lookup_num_tokens=3)
-        assert_tokens(out, ref)
-    finally:
-        kh.KVRingLayer.crop = orig
+    crops = record_crops(monkeypatch, kh.KVRingLayer)
+    out = generate(model, ids, mask, kh.KVCache(model.config, MAX_LEN, max_step=4), impl="kvcache",
+                   prompt_lookup_num_tokens=3)
+    assert_tokens(out, ref)
     assert any(n < 0 for n in crops), "no candidate was rejected: crop after the wrap not exercised"
 
 
