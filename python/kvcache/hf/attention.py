@@ -14,7 +14,7 @@ from typing import Optional, Union
 import torch
 
 from . import _registry
-from ._compat import masking_utils
+from ._compat import masking_utils, mla_message, split_head_sizes
 from .layer import _compiling
 
 _attend_op = torch.ops.kvcache.attend.default
@@ -132,6 +132,30 @@ def _check_mask(attention_mask) -> None:
         raise ValueError(
             "attn_implementation='kvcache' takes the (batch, 1, 1, 2) int32 masks kvcache.hf builds from a 2-D "
             f"attention mask; got {shape} (pass a 2-D attention_mask, not a prepared 4-D one)")
+
+
+def check_paged_model(model) -> None:
+    """Refuses a model kvcache's paged attention cannot serve, before continuous batching starts.
+
+    Args:
+        model: A transformers model loaded with ``attn_implementation="kvcache"``.
+
+    Raises:
+        NotImplementedError: Keys and values of different head sizes (MLA-style attention:
+            DeepSeek-V2/V3; transformers 5.25 pages their latents).
+        TypeError: A model dtype other than float32, bfloat16 and float16.
+    """
+    config = model.config
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if split_head_sizes(text) is not None:
+        raise NotImplementedError(
+            mla_message(text, "kvcache's paged attention") + ": load the model with attn_implementation='sdpa' "
+            "(or 'paged|eager') for continuous batching")
+    dtype = getattr(model, "dtype", None)
+    if dtype is not None and dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(
+            f"kvcache's paged attention runs float32, bfloat16 and float16 models; this model is {dtype}: "
+            "convert it (model.to(torch.float32)) or run continuous batching with attn_implementation='sdpa'")
 
 
 def kvcache_attention(

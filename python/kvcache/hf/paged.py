@@ -44,8 +44,9 @@ from typing import Any, Optional
 import torch
 
 from ..paged import attend_pages, write_pages
-from ._compat import AttentionMaskInterface, masking_utils, mla_message, split_head_sizes
-from .attention import PAGED_STEP, is_gathering_step, kvcache_attention, kvcache_mask, set_paged_attention
+from ._compat import AttentionMaskInterface, masking_utils
+from .attention import (PAGED_STEP, check_paged_model, is_gathering_step, kvcache_attention, kvcache_mask,
+                        set_paged_attention)
 
 __all__ = ["PAGED_ATTN_IMPLEMENTATION", "CB_ATTN_IMPLEMENTATION", "IMPLEMENTATIONS", "IN_PLACE", "install",
            "paged_kvcache_attention", "paged_update", "uses_kvcache"]
@@ -437,21 +438,9 @@ def _switch_to_cb_friendly_attn(self, model, *args, **kwargs) -> None:
                 f"the model as {original!r}: call model.destroy_cached_continuous_batching_manager() after "
                 f"switching the attention (or run generate_batch with persistent_manager=False)")
         return _orig_switch(self, model, *args, **kwargs)
-    config = model.config
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    if split_head_sizes(text) is not None:
-        # Refused here, in the caller's thread: raised inside a step, the manager's generation
-        # thread would only log it and generate_batch would return every request empty.
-        raise NotImplementedError(
-            mla_message(text, "kvcache's paged attention") + ": load the model with attn_implementation='sdpa' "
-            "(or 'paged|eager') for continuous batching")
-    dtype = getattr(model, "dtype", None)
-    if dtype is not None and dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        # As above: attend_pages would refuse it inside the first step, which only the manager's
-        # thread would see.
-        raise TypeError(
-            f"kvcache's paged attention runs float32, bfloat16 and float16 models; this model is {dtype}: "
-            "convert it (model.to(torch.float32)) or run continuous batching with attn_implementation='sdpa'")
+    # Refused here, in the caller's thread: raised inside a step, the error would only be logged by
+    # the manager's generation thread and every request would come back failed and empty.
+    check_paged_model(model)
     self._kvcache_built = True
     if original != CB_ATTN_IMPLEMENTATION:
         model.set_attn_implementation(CB_ATTN_IMPLEMENTATION)
