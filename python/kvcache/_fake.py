@@ -4,7 +4,9 @@ Each fake runs the operator's own C++ checks (``csrc/ops/*``, through
 ``kvcache._C.check_<id>``) on the fake tensors, then allocates outputs of the
 right shape, dtype, device and strides. The checks read sizes as symbols, so
 a traced program raises the same exception, with the same message, as eager
-code. Values that only exist at run time (the entries of a device start or
+code (under FakeTensorMode and non-strict torch.export as it is; torch.compile
+and strict torch.export wrap it in their own RuntimeError subclass, whose
+text carries the message). Values that only exist at run time (the entries of a device start or
 lengths tensor) are checked by the kernels when the program runs.
 
 The operators come from the one list in ``csrc/ops/operators.h``
