@@ -549,22 +549,9 @@ void run_paged_write(const PagedWriteParams& p, Rt& rt) {
                     " is too large for one launch (at most 2^30 - 1)");
 
   WriteArgs a{};
-  const char* src[2] = {p.k_src, p.v_src};
-  const int64_t* ss[2] = {p.k_src_stride, p.v_src_stride};
-  char* dst[2] = {p.k_pages, p.v_pages};
-  const int64_t* ds[2] = {p.k_page_stride, p.v_page_stride};
-  float* scale[2] = {p.k_scale, p.v_scale};
-  const int64_t* cs[2] = {p.ks_stride, p.vs_stride};
-  for (int w = 0; w < 2; ++w) {
-    a.io.src[w] = src[w];
-    a.io.dst[w] = dst[w];
-    a.io.scale[w] = scale[w];
-    for (int k = 0; k < 3; ++k) {
-      a.io.ss[w][k] = ss[w][k];
-      a.io.cs[w][k] = cs[w][k];
-    }
-    for (int k = 0; k < 4; ++k) a.io.ds[w][k] = ds[w][k];
-  }
+  a.io = cuda::quant_sides<3, 4>({p.k_src, p.v_src}, {p.k_src_stride, p.v_src_stride},
+                                 {p.k_pages, p.v_pages}, {p.k_page_stride, p.v_page_stride},
+                                 {p.k_scale, p.v_scale}, {p.ks_stride, p.vs_stride});
   a.slots = p.slots;
   a.n = p.num_tokens;
   a.heads = p.num_kv_heads;
@@ -591,9 +578,10 @@ void run_paged_write(const PagedWriteParams& p, Rt& rt) {
     const int64_t dst_size[4] = {p.num_blocks, p.block_size, p.num_kv_heads, p.head_dim};
     const int64_t src_size[4] = {p.num_tokens, 1, p.num_kv_heads, p.head_dim};
     for (int w = 0; w < 2; ++w) {
-      const int64_t dst_stride[4] = {ds[w][0], ds[w][1], ds[w][2], ds[w][3]};
-      const int64_t src_stride[4] = {ss[w][0], 0, ss[w][1], ss[w][2]};
-      a.pair[w] = cuda::plan_copy(dst[w], dst_stride, dst_size, src[w], src_stride, src_size,
+      const int64_t* const ds = a.io.ds[w];
+      const int64_t* const ss = a.io.ss[w];
+      const int64_t src_stride[4] = {ss[0], 0, ss[1], ss[2]};
+      a.pair[w] = cuda::plan_copy(a.io.dst[w], ds, dst_size, a.io.src[w], src_stride, src_size,
                                   p.head_dim, p.elem_size);
     }
     const int64_t units = a.pair[0].units > a.pair[1].units ? a.pair[0].units : a.pair[1].units;

@@ -78,24 +78,33 @@ __device__ __forceinline__ QuantSide<SD, DD> quant_side(const QuantSides<SD, DD>
   return s;
 }
 
+// The sides from each side's (0: keys, 1: values) pointers and strides: SD
+// source and DD destination byte strides, 3 scale element strides.
+template <int SD, int DD>
+QuantSides<SD, DD> quant_sides(const char* const (&src)[2], const int64_t* const (&ss)[2],
+                               char* const (&dst)[2], const int64_t* const (&ds)[2],
+                               float* const (&scale)[2], const int64_t* const (&cs)[2]) {
+  QuantSides<SD, DD> a{};
+  for (int w = 0; w < 2; ++w) {
+    a.src[w] = src[w];
+    a.dst[w] = dst[w];
+    a.scale[w] = scale[w];
+    for (int k = 0; k < SD; ++k) a.ss[w][k] = ss[w][k];
+    for (int k = 0; k < DD; ++k) a.ds[w][k] = ds[w][k];
+    for (int k = 0; k < 3; ++k) a.cs[w][k] = cs[w][k];
+  }
+  return a;
+}
+
 // The sides of a write into (batch, heads, slots, head_dim) slabs: a linear
 // cache's or a ring's (ops/update.h, ops/ring.h: src/dst rows with byte
 // strides, scales with element strides).
 template <typename Src, typename Dst>
 QuantSides<4, 4> slab_sides(const Src (&src)[2], const Dst (&dst)[2], float* const (&scale)[2],
                             const int64_t (&scale_stride)[2][3]) {
-  QuantSides<4, 4> a{};
-  for (int w = 0; w < 2; ++w) {
-    a.src[w] = src[w].data;
-    a.dst[w] = dst[w].data;
-    a.scale[w] = scale[w];
-    for (int k = 0; k < 4; ++k) {
-      a.ss[w][k] = src[w].stride[k];
-      a.ds[w][k] = dst[w].stride[k];
-    }
-    for (int k = 0; k < 3; ++k) a.cs[w][k] = scale_stride[w][k];
-  }
-  return a;
+  return quant_sides<4, 4>({src[0].data, src[1].data}, {src[0].stride, src[1].stride},
+                           {dst[0].data, dst[1].data}, {dst[0].stride, dst[1].stride}, scale,
+                           {scale_stride[0], scale_stride[1]});
 }
 
 // Calls f(T{}, Format{}) for a quantized write's source element type T and
