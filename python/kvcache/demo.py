@@ -316,7 +316,7 @@ def verdict(r: List[float], capacity: int, filled: str) -> str:
         return (f"kvcache.attend decoded faster than masked SDPA in {every}, {speedup_text(r)}: it reads only the "
                 f"filled slots ({filled} of {capacity} per step), masked SDPA reads all {capacity} every step.")
     if faster == 0:
-        return (f"Masked SDPA was as fast as attend or faster in {every}: attend ran at {speedup_text(r)} its "
+        return (f"In {every} masked SDPA was as fast as attend or faster: attend ran at {speedup_text(r)} its "
                 f"speed. At this size the buffer is small enough that reading all of it costs little (try a "
                 f"larger --capacity), or the machine is busy (try --threads 1, more --rounds).")
     return (f"The rounds disagree: attend was faster than masked SDPA in {faster} of {n} rounds, "
